@@ -1,0 +1,1 @@
+//! proxy-wasm filter that asks the policy server where to route each inference request.

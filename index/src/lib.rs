@@ -1,0 +1,1 @@
+//! Cache index, ranker and policy: plain library code behind the LookupRoute family of RPCs.

@@ -1,0 +1,1 @@
+//! KV-event subscriber: turns engine ZMQ KV events into cache-state reports.

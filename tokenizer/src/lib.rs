@@ -1,0 +1,1 @@
+//! Tokenizer registry: loads model tokenizers and chat templates, turns prompts into token ids.
