@@ -1,1 +1,73 @@
-//! Cache index, ranker and policy: plain library code behind the LookupRoute family of RPCs.
+//! In-memory KV-cache index, ranker and routing policy behind LookupRoute,
+//! ReportCacheState, PublishEvent and GetCacheState — plain Rust, no transport
+//! types.
+//!
+//! Main types:
+//! - [`CacheIndex`]: ingest ([`CacheIndex::ingest`]), events
+//!   ([`CacheIndex::publish`]), lookups ([`CacheIndex::lookup`]), aggregates
+//!   ([`CacheIndex::cache_state`], [`CacheIndex::snapshot`]) and bounded memory
+//!   ([`CacheIndex::sweep`]).
+//! - [`PolicySet`] / [`CachePolicy`]: per-tenant knobs parsed from a YAML stream
+//!   of CachePolicy objects.
+//! - [`Clock`]: the time source, so time rules are testable ([`ManualClock`]).
+//!
+//! Key: `(tenant, model, hash_scheme, adapter, prefix_hash)` → per replica
+//! `{last_seen, tier, access_count}` (+ the key's token count). Strings are
+//! interned; 8-byte hashes are `u64`; the key space is sharded behind
+//! `RwLock`s; see the `store` module notes for layout and costs.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use inference_cache_index::*;
+//!
+//! let clock = ManualClock::default();
+//! let index = CacheIndex::new(Arc::new(clock), DEFAULT_MAX_ENTRIES);
+//! let blocks: Vec<Vec<u8>> = (1u64..=3).map(|h| h.to_be_bytes().to_vec()).collect();
+//! for (replica, held) in [("a", 3), ("b", 2), ("c", 1)] {
+//!     index.ingest(&CacheUpdate {
+//!         replica_id: replica.into(),
+//!         tenant_id: "t".into(),
+//!         model_id: "m".into(),
+//!         hash_scheme: "vllm".into(),
+//!         prefixes: vec![PrefixReport {
+//!             block_hashes: blocks[..held].to_vec(),
+//!             block_token_counts: vec![64; held],
+//!             ..Default::default()
+//!         }],
+//!         ..Default::default()
+//!     });
+//! }
+//! let counts = [64; 3];
+//! let mut request = LookupRequest::new("t", "m", "vllm");
+//! request.chain = Some(Chain { hashes: BlockHashes::Bytes(&blocks), token_counts: &counts });
+//! let outcome = index.lookup(&request);
+//! assert_eq!(outcome.reason, Reason::PrefixMatch);
+//! let order: Vec<&str> = outcome.scores.iter().map(|s| &*s.replica_id).collect();
+//! assert_eq!(order, ["a", "b", "c"]);
+//! ```
+
+mod catalog;
+mod clock;
+mod index;
+mod lookup;
+mod model;
+mod policy;
+mod store;
+mod sweep;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES};
+pub use lookup::{affinity_digest, pick_affinity};
+pub use model::{
+    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, DropReason, EventKind, EventReport,
+    EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT, PrefixReport, Reason,
+    ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot, SweepReport,
+    TenantSnapshot, Tier,
+};
+pub use policy::{
+    AffinityAlgorithm, CachePolicy, DEFAULT_NAMESPACE, Eviction, PolicyError, PolicySet, Strategy,
+    format_duration, parse_duration,
+};
+
+#[cfg(test)]
+mod tests;

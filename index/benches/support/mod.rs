@@ -1,0 +1,76 @@
+//! Shared workload for the index benchmarks: 8 replicas, 64-block chains of
+//! 16-token blocks, fingerprinted with the project's content fingerprint.
+//!
+//! Chains are built in groups: every group shares a 16-block "system prompt"
+//! head and each chain adds 48 blocks of its own; each chain is held by
+//! `holders` replicas (rotating), so a lookup walks a realistic mix of shared
+//! and private blocks.
+
+#![allow(dead_code)]
+
+use inference_cache_fingerprint::{encode, prefix_hashes};
+use inference_cache_index::{CacheUpdate, PrefixReport};
+
+/// Replicas in the workload.
+pub const REPLICAS: usize = 8;
+/// Blocks per chain.
+pub const CHAIN_BLOCKS: usize = 64;
+/// Tokens per block.
+pub const BLOCK: usize = 16;
+
+/// One chain: wire hashes and counts.
+pub struct Workload {
+    /// Wire hashes of each chain.
+    pub chains: Vec<Vec<Vec<u8>>>,
+    /// Replicas holding each chain.
+    pub holders: usize,
+}
+
+impl Workload {
+    /// Enough chains for about `entries` block-replica entries.
+    pub fn new(entries: usize, holders: usize) -> Self {
+        let per_chain = CHAIN_BLOCKS * holders;
+        let n = entries.div_ceil(per_chain);
+        let mut chains = Vec::with_capacity(n);
+        for c in 0..n {
+            let group = (c / 32) as u32;
+            let mut tokens: Vec<u32> = (0..(16 * BLOCK) as u32)
+                .map(|t| group.wrapping_mul(7919) ^ t)
+                .collect();
+            tokens.extend(
+                (0..(48 * BLOCK) as u32)
+                    .map(|t| (c as u32).wrapping_mul(104_729).wrapping_add(t) | 0x8000_0000),
+            );
+            let hashes = prefix_hashes(&tokens, BLOCK);
+            chains.push(hashes.into_iter().map(|h| encode(h).to_vec()).collect());
+        }
+        Self { chains, holders }
+    }
+
+    /// The replicas holding chain `c`.
+    pub fn holders_of(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.holders).map(move |k| (c + k) % REPLICAS)
+    }
+
+    /// One update per (chain, holder).
+    pub fn updates(&self) -> Vec<CacheUpdate> {
+        let mut out = Vec::new();
+        for (c, chain) in self.chains.iter().enumerate() {
+            for r in self.holders_of(c) {
+                out.push(CacheUpdate {
+                    replica_id: format!("replica-{r}"),
+                    tenant_id: "tenant".into(),
+                    model_id: "model".into(),
+                    hash_scheme: "vllm".into(),
+                    prefixes: vec![PrefixReport {
+                        block_hashes: chain.clone(),
+                        block_token_counts: vec![BLOCK as i32; chain.len()],
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                });
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,211 @@
+//! Interned names, index partitions and serving scopes.
+//!
+//! Every tenant / model / hash-scheme / adapter string is interned once into a
+//! `u32`; replica ids have their own table so holder lists stay compact. A
+//! *partition* is `(tenant, model, scheme, adapter)` and prefixes the key of
+//! every block entry; a *scope* is the adapter-blind `(tenant, model, scheme)`
+//! and records which replicas hold at least one entry in it (the serving set
+//! behind distinguishing power, TENANT_HOT, AFFINITY_HINT and the diagnostics).
+//!
+//! Concurrency: the catalog sits behind one `RwLock` that is written only when a
+//! never-seen name or partition appears; lookups take it shared. Per-partition
+//! and per-scope counters are atomics or small mutexes updated once per ingest
+//! batch, never per lookup.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+/// Interned id of a tenant, model, scheme or adapter string.
+pub(crate) type NameId = u32;
+/// Interned id of a replica.
+pub(crate) type ReplicaId = u32;
+/// Index of a partition in [`Catalog::partitions`].
+pub(crate) type PartitionId = u32;
+
+/// Counters of one `(tenant, model, scheme, adapter)` partition.
+#[derive(Debug)]
+pub(crate) struct Partition {
+    pub tenant: NameId,
+    pub model: NameId,
+    pub adapter: NameId,
+    pub scope: u32,
+    /// Distinct prefix keys.
+    pub keys: AtomicI64,
+    /// Block-replica entries.
+    pub entries: AtomicI64,
+}
+
+/// Adapter-blind `(tenant, model, scheme)` scope and its serving replicas.
+#[derive(Debug)]
+pub(crate) struct Scope {
+    pub tenant: NameId,
+    pub model: NameId,
+    /// Entries per replica across the scope's partitions.
+    replicas: Mutex<HashMap<ReplicaId, i64>>,
+    /// Replicas with at least one entry.
+    serving: AtomicU32,
+}
+
+impl Scope {
+    fn new(tenant: NameId, model: NameId) -> Self {
+        Self {
+            tenant,
+            model,
+            replicas: Mutex::new(HashMap::new()),
+            serving: AtomicU32::new(0),
+        }
+    }
+
+    /// Adds `delta` entries to `replica`'s count, keeping the serving count exact.
+    pub fn add(&self, replica: ReplicaId, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let mut replicas = self.replicas.lock();
+        let count = replicas.entry(replica).or_insert(0);
+        let before = *count;
+        *count += delta;
+        let after = *count;
+        if before <= 0 && after > 0 {
+            self.serving.fetch_add(1, Ordering::Relaxed);
+        } else if before > 0 && after <= 0 {
+            self.serving.fetch_sub(1, Ordering::Relaxed);
+        }
+        if after <= 0 {
+            replicas.remove(&replica);
+        }
+    }
+
+    /// Number of replicas holding at least one entry.
+    pub fn serving_count(&self) -> u32 {
+        self.serving.load(Ordering::Relaxed)
+    }
+
+    /// Replicas holding at least one entry, with their entry counts.
+    pub fn serving(&self) -> Vec<(ReplicaId, i64)> {
+        self.replicas.lock().iter().map(|(&r, &n)| (r, n)).collect()
+    }
+}
+
+/// Interned names, partitions and scopes.
+#[derive(Debug, Default)]
+pub(crate) struct Catalog {
+    names: HashMap<Arc<str>, NameId>,
+    name_list: Vec<Arc<str>>,
+    replicas: HashMap<Arc<str>, ReplicaId>,
+    replica_list: Vec<Arc<str>>,
+    partition_ids: HashMap<[NameId; 4], PartitionId>,
+    pub partitions: Vec<Arc<Partition>>,
+    scope_ids: HashMap<[NameId; 3], u32>,
+    pub scopes: Vec<Arc<Scope>>,
+}
+
+impl Catalog {
+    /// Id of an already interned name.
+    pub fn name(&self, name: &str) -> Option<NameId> {
+        self.names.get(name).copied()
+    }
+
+    /// The string behind a name id.
+    pub fn name_str(&self, id: NameId) -> &Arc<str> {
+        &self.name_list[id as usize]
+    }
+
+    /// Id of an already known replica.
+    pub fn replica(&self, name: &str) -> Option<ReplicaId> {
+        self.replicas.get(name).copied()
+    }
+
+    /// The string behind a replica id.
+    pub fn replica_str(&self, id: ReplicaId) -> &Arc<str> {
+        &self.replica_list[id as usize]
+    }
+
+    /// Partition of already interned names.
+    pub fn partition(
+        &self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        adapter: &str,
+    ) -> Option<PartitionId> {
+        let key = [
+            self.name(tenant)?,
+            self.name(model)?,
+            self.name(scheme)?,
+            self.name(adapter)?,
+        ];
+        self.partition_ids.get(&key).copied()
+    }
+
+    /// Scope of already interned names.
+    pub fn scope(&self, tenant: &str, model: &str, scheme: &str) -> Option<&Arc<Scope>> {
+        let key = [self.name(tenant)?, self.name(model)?, self.name(scheme)?];
+        self.scope_ids.get(&key).map(|&i| &self.scopes[i as usize])
+    }
+
+    pub fn intern_name(&mut self, name: &str) -> NameId {
+        if let Some(&id) = self.names.get(name) {
+            return id;
+        }
+        let id = u32::try_from(self.name_list.len()).unwrap_or(u32::MAX);
+        let shared: Arc<str> = Arc::from(name);
+        self.name_list.push(shared.clone());
+        self.names.insert(shared, id);
+        id
+    }
+
+    pub fn intern_replica(&mut self, name: &str) -> ReplicaId {
+        if let Some(&id) = self.replicas.get(name) {
+            return id;
+        }
+        let id = u32::try_from(self.replica_list.len()).unwrap_or(u32::MAX);
+        let shared: Arc<str> = Arc::from(name);
+        self.replica_list.push(shared.clone());
+        self.replicas.insert(shared, id);
+        id
+    }
+
+    /// Partition id for the names, creating names, scope and partition as needed.
+    pub fn intern_partition(
+        &mut self,
+        tenant: &str,
+        model: &str,
+        scheme: &str,
+        adapter: &str,
+    ) -> PartitionId {
+        let ids = [
+            self.intern_name(tenant),
+            self.intern_name(model),
+            self.intern_name(scheme),
+            self.intern_name(adapter),
+        ];
+        if let Some(&p) = self.partition_ids.get(&ids) {
+            return p;
+        }
+        let scope_key = [ids[0], ids[1], ids[2]];
+        let scope = match self.scope_ids.get(&scope_key) {
+            Some(&s) => s,
+            None => {
+                let s = u32::try_from(self.scopes.len()).unwrap_or(u32::MAX);
+                self.scopes.push(Arc::new(Scope::new(ids[0], ids[1])));
+                self.scope_ids.insert(scope_key, s);
+                s
+            }
+        };
+        let p = u32::try_from(self.partitions.len()).unwrap_or(u32::MAX);
+        self.partitions.push(Arc::new(Partition {
+            tenant: ids[0],
+            model: ids[1],
+            adapter: ids[3],
+            scope,
+            keys: AtomicI64::new(0),
+            entries: AtomicI64::new(0),
+        }));
+        self.partition_ids.insert(ids, p);
+        p
+    }
+}

@@ -1,0 +1,569 @@
+//! [`CacheIndex`]: ingest, events, aggregates. Lookup and sweeping live in
+//! sibling modules as further `impl CacheIndex` blocks.
+//!
+//! Ingest of one update resolves its partition(s) once, then writes each block
+//! under its shard's write lock and applies the per-partition / per-scope
+//! counter deltas once at the end. Events that name a prefix touch one key per
+//! matching partition; ALL_CLEARED scans every shard (it is rare).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
+use hashbrown::HashMap;
+use parking_lot::RwLock;
+
+use crate::catalog::{Catalog, PartitionId, ReplicaId};
+use crate::clock::{Clock, SystemClock, ms_to_secs};
+use crate::model::{
+    CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
+    IngestReport, PROBE_TENANT, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
+    TenantSnapshot, Tier,
+};
+use crate::policy::PolicySet;
+use crate::store::{HashRef, Holder, Store};
+
+/// Default global cap on block-replica entries.
+pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ReplicaRecord {
+    pub stats: Option<ReplicaStatsReport>,
+    pub stats_at_ms: u64,
+    pub last_heard_ms: u64,
+}
+
+/// The in-memory KV-cache index and ranker.
+///
+/// Cheap to share (`Arc<CacheIndex>`); every method takes `&self`.
+pub struct CacheIndex {
+    pub(crate) catalog: RwLock<Catalog>,
+    pub(crate) store: Store,
+    pub(crate) replicas: RwLock<HashMap<ReplicaId, ReplicaRecord>>,
+    pub(crate) policies: ArcSwap<PolicySet>,
+    pub(crate) clock: Arc<dyn Clock>,
+    max_entries: AtomicU64,
+    pub(crate) entries: AtomicI64,
+    pub(crate) keys: AtomicI64,
+    evictions: [AtomicU64; 4],
+}
+
+impl std::fmt::Debug for CacheIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheIndex")
+            .field("entries", &self.entry_count())
+            .field("prefixes", &self.prefix_count())
+            .field("max_entries", &self.max_entries())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for CacheIndex {
+    fn default() -> Self {
+        Self::new(Arc::new(SystemClock), DEFAULT_MAX_ENTRIES)
+    }
+}
+
+/// Entry/key deltas of one partition, accumulated over a batch.
+#[derive(Debug, Default)]
+pub(crate) struct Deltas {
+    entries: HashMap<(PartitionId, ReplicaId), i64>,
+    keys: HashMap<PartitionId, i64>,
+}
+
+impl Deltas {
+    pub fn entry(&mut self, part: PartitionId, replica: ReplicaId, delta: i64) {
+        *self.entries.entry((part, replica)).or_insert(0) += delta;
+    }
+
+    pub fn key(&mut self, part: PartitionId, delta: i64) {
+        *self.keys.entry(part).or_insert(0) += delta;
+    }
+
+    pub fn total_entries(&self) -> i64 {
+        self.entries.values().sum()
+    }
+}
+
+impl CacheIndex {
+    /// An empty index reading time from `clock`, capped at `max_entries` block-replica entries.
+    pub fn new(clock: Arc<dyn Clock>, max_entries: u64) -> Self {
+        Self {
+            catalog: RwLock::new(Catalog::default()),
+            store: Store::default(),
+            replicas: RwLock::new(HashMap::new()),
+            policies: ArcSwap::from_pointee(PolicySet::default()),
+            clock,
+            max_entries: AtomicU64::new(max_entries),
+            entries: AtomicI64::new(0),
+            keys: AtomicI64::new(0),
+            evictions: Default::default(),
+        }
+    }
+
+    /// Replaces the policy set (atomically; lookups in flight keep the old one).
+    pub fn set_policies(&self, policies: PolicySet) {
+        self.policies.store(Arc::new(policies));
+    }
+
+    /// The policy set in force.
+    pub fn policies(&self) -> Arc<PolicySet> {
+        self.policies.load_full()
+    }
+
+    /// Block-replica entries in the index.
+    pub fn entry_count(&self) -> i64 {
+        self.entries.load(Ordering::Relaxed)
+    }
+
+    /// Distinct prefix keys in the index.
+    pub fn prefix_count(&self) -> i64 {
+        self.keys.load(Ordering::Relaxed)
+    }
+
+    /// Global entry cap.
+    pub fn max_entries(&self) -> u64 {
+        self.max_entries.load(Ordering::Relaxed)
+    }
+
+    /// Changes the global entry cap (enforced by the next sweep).
+    pub fn set_max_entries(&self, max: u64) {
+        self.max_entries.store(max, Ordering::Relaxed);
+    }
+
+    /// Entries removed so far for `reason`.
+    pub fn evictions(&self, reason: EvictionReason) -> u64 {
+        self.evictions[reason as usize].load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_evictions(&self, reason: EvictionReason, n: u64) {
+        self.evictions[reason as usize].fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    fn replica_id(&self, name: &str) -> ReplicaId {
+        if let Some(id) = self.catalog.read().replica(name) {
+            return id;
+        }
+        self.catalog.write().intern_replica(name)
+    }
+
+    fn partition_id(&self, tenant: &str, model: &str, scheme: &str, adapter: &str) -> PartitionId {
+        if let Some(id) = self
+            .catalog
+            .read()
+            .partition(tenant, model, scheme, adapter)
+        {
+            return id;
+        }
+        self.catalog
+            .write()
+            .intern_partition(tenant, model, scheme, adapter)
+    }
+
+    /// Applies one additive update from a replica.
+    pub fn ingest(&self, update: &CacheUpdate) -> IngestReport {
+        let mut report = IngestReport::default();
+        let prefix_total = update.prefixes.len() as u64;
+        if update.tenant_id == PROBE_TENANT {
+            report.drop(DropReason::ProbeTenant, prefix_total);
+            return report;
+        }
+        if update.replica_id.is_empty() {
+            report.drop(DropReason::EmptyReplica, prefix_total);
+            return report;
+        }
+        let now_ms = self.now_ms();
+        let now = ms_to_secs(now_ms);
+        let replica = self.replica_id(&update.replica_id);
+        self.record_stats(replica, update.stats.as_ref(), now_ms);
+        report.stats_recorded = update.stats.is_some();
+        if update.hash_scheme.is_empty() {
+            report.drop(DropReason::EmptyHashScheme, prefix_total);
+            return report;
+        }
+        let mut parts: Vec<(&str, PartitionId)> = Vec::with_capacity(1);
+        let mut deltas = Deltas::default();
+        for prefix in &update.prefixes {
+            let has_chain =
+                !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
+            if has_chain {
+                if prefix.block_hashes.len() != prefix.block_token_counts.len()
+                    || prefix.block_token_counts.iter().any(|&c| c < 0)
+                {
+                    report.drop(DropReason::MalformedChain, 1);
+                    continue;
+                }
+                if prefix.block_hashes.iter().any(Vec::is_empty) {
+                    report.drop(DropReason::EmptyHash, 1);
+                    continue;
+                }
+            } else if prefix.prefix_hash.is_empty() {
+                report.drop(DropReason::EmptyHash, 1);
+                continue;
+            }
+            let adapter = if prefix.adapter_id.is_empty() {
+                update.adapter_id.as_str()
+            } else {
+                prefix.adapter_id.as_str()
+            };
+            let part = match parts.iter().find(|(a, _)| *a == adapter) {
+                Some(&(_, p)) => p,
+                None => {
+                    let p = self.partition_id(
+                        &update.tenant_id,
+                        &update.model_id,
+                        &update.hash_scheme,
+                        adapter,
+                    );
+                    parts.push((adapter, p));
+                    p
+                }
+            };
+            let tier = if prefix.tier == Tier::Unspecified {
+                Tier::T1
+            } else {
+                prefix.tier
+            };
+            let holder = Holder {
+                replica,
+                last_seen: now,
+                tier: tier as u8,
+                access: 0,
+            };
+            let mut write = |hash: &[u8], count: i32| {
+                let hash = HashRef::from_bytes(hash);
+                let slot = Store::slot(part, hash);
+                let up = self.store.shard(slot.shard).write().upsert(
+                    part,
+                    hash,
+                    slot.mixed,
+                    count.max(0) as u32,
+                    holder,
+                );
+                report.entries_written += 1;
+                if up.new_entry {
+                    report.entries_added += 1;
+                    deltas.entry(part, replica, 1);
+                }
+                if up.new_key {
+                    deltas.key(part, 1);
+                }
+            };
+            for (hash, &count) in prefix.block_hashes.iter().zip(&prefix.block_token_counts) {
+                write(hash, count);
+            }
+            if !prefix.prefix_hash.is_empty() {
+                write(&prefix.prefix_hash, prefix.token_count);
+            }
+            report.accepted_prefixes += 1;
+        }
+        self.apply(&deltas);
+        report
+    }
+
+    fn record_stats(&self, replica: ReplicaId, stats: Option<&ReplicaStatsReport>, now_ms: u64) {
+        let target = match stats {
+            Some(s) if !s.replica_id.is_empty() => Some(self.replica_id(&s.replica_id)),
+            _ => None,
+        };
+        let stats = stats.map(|s| {
+            let mut s = s.clone();
+            if s.replica_id.is_empty() {
+                s.replica_id = self.catalog.read().replica_str(replica).to_string();
+            }
+            s
+        });
+        let mut replicas = self.replicas.write();
+        replicas.entry(replica).or_default().last_heard_ms = now_ms;
+        if let Some(stats) = stats {
+            let record = replicas.entry(target.unwrap_or(replica)).or_default();
+            record.stats = Some(stats);
+            record.stats_at_ms = now_ms;
+        }
+    }
+
+    /// Applies counter deltas to partitions, scopes and totals.
+    pub(crate) fn apply(&self, deltas: &Deltas) {
+        if deltas.entries.is_empty() && deltas.keys.is_empty() {
+            return;
+        }
+        let catalog = self.catalog.read();
+        let mut total = 0;
+        for (&(part, replica), &d) in &deltas.entries {
+            let partition = &catalog.partitions[part as usize];
+            partition.entries.fetch_add(d, Ordering::Relaxed);
+            catalog.scopes[partition.scope as usize].add(replica, d);
+            total += d;
+        }
+        let mut keys = 0;
+        for (&part, &d) in &deltas.keys {
+            catalog.partitions[part as usize]
+                .keys
+                .fetch_add(d, Ordering::Relaxed);
+            keys += d;
+        }
+        self.entries.fetch_add(total, Ordering::Relaxed);
+        self.keys.fetch_add(keys, Ordering::Relaxed);
+    }
+
+    /// Applies a producer event.
+    pub fn publish(&self, event: &CacheEvent) -> EventReport {
+        if event.tenant_id == PROBE_TENANT {
+            return EventReport::default();
+        }
+        let now_ms = self.now_ms();
+        let mut report = EventReport {
+            applied: true,
+            entries_removed: 0,
+        };
+        match event.kind {
+            EventKind::PrefixAdded => {}
+            EventKind::ReplicaUpdated => {
+                if !event.replica_id.is_empty() {
+                    let replica = self.replica_id(&event.replica_id);
+                    self.replicas
+                        .write()
+                        .entry(replica)
+                        .or_default()
+                        .last_heard_ms = now_ms;
+                }
+            }
+            EventKind::PrefixEvicted => {
+                report.entries_removed = self.evict_prefix(event);
+            }
+            EventKind::AllCleared => {
+                report.entries_removed = self.clear_replica(event);
+            }
+        }
+        self.count_evictions(EvictionReason::Event, report.entries_removed);
+        report
+    }
+
+    /// Partitions an event addresses: empty tenant/model match all; adapter only if `narrow`.
+    fn event_partitions(&self, event: &CacheEvent, narrow_adapter: bool) -> Vec<PartitionId> {
+        let catalog = self.catalog.read();
+        let want = |name: &str| -> Option<Option<u32>> {
+            if name.is_empty() {
+                Some(None)
+            } else {
+                catalog.name(name).map(Some)
+            }
+        };
+        let (Some(tenant), Some(model)) = (want(&event.tenant_id), want(&event.model_id)) else {
+            return Vec::new();
+        };
+        let adapter = if narrow_adapter && !event.adapter_id.is_empty() {
+            match catalog.name(&event.adapter_id) {
+                Some(a) => Some(a),
+                None => return Vec::new(),
+            }
+        } else {
+            None
+        };
+        catalog
+            .partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| {
+                tenant.is_none_or(|t| p.tenant == t)
+                    && model.is_none_or(|m| p.model == m)
+                    && adapter.is_none_or(|a| p.adapter == a)
+            })
+            .map(|(i, _)| i as PartitionId)
+            .collect()
+    }
+
+    fn evict_prefix(&self, event: &CacheEvent) -> u64 {
+        if event.prefix_hash.is_empty() || event.replica_id.is_empty() {
+            return 0;
+        }
+        let Some(replica) = self.catalog.read().replica(&event.replica_id) else {
+            return 0;
+        };
+        let hash = HashRef::from_bytes(&event.prefix_hash);
+        let mut deltas = Deltas::default();
+        for part in self.event_partitions(event, true) {
+            let slot = Store::slot(part, hash);
+            let (entry, key) = self
+                .store
+                .shard(slot.shard)
+                .write()
+                .remove(part, hash, slot.mixed, replica);
+            if entry {
+                deltas.entry(part, replica, -1);
+            }
+            if key {
+                deltas.key(part, -1);
+            }
+        }
+        let removed = -deltas.total_entries();
+        self.apply(&deltas);
+        removed as u64
+    }
+
+    fn clear_replica(&self, event: &CacheEvent) -> u64 {
+        if event.replica_id.is_empty() {
+            return 0;
+        }
+        let Some(replica) = self.catalog.read().replica(&event.replica_id) else {
+            return 0;
+        };
+        let parts = self.event_partitions(event, false);
+        if parts.is_empty() {
+            return 0;
+        }
+        let mut wanted = vec![false; parts.iter().max().map_or(0, |&m| m as usize + 1)];
+        for &p in &parts {
+            wanted[p as usize] = true;
+        }
+        let mut deltas = Deltas::default();
+        for shard in self.store.shards() {
+            shard.write().retain(
+                |part, h| {
+                    !(h.replica == replica && wanted.get(part as usize).copied().unwrap_or(false))
+                },
+                |part, r| match r {
+                    Some(r) => deltas.entry(part, r, -1),
+                    None => deltas.key(part, -1),
+                },
+            );
+        }
+        let removed = -deltas.total_entries();
+        self.apply(&deltas);
+        removed as u64
+    }
+
+    /// The `(tenant, model)` aggregate behind GetCacheState.
+    pub fn cache_state(&self, tenant_id: &str, model_id: &str) -> ScopeState {
+        if tenant_id == PROBE_TENANT {
+            return ScopeState::default();
+        }
+        let catalog = self.catalog.read();
+        let (Some(tenant), Some(model)) = (catalog.name(tenant_id), catalog.name(model_id)) else {
+            return ScopeState::default();
+        };
+        let mut summary = CacheSummary::default();
+        for p in catalog
+            .partitions
+            .iter()
+            .filter(|p| p.tenant == tenant && p.model == model)
+        {
+            summary.prefix_count += p.keys.load(Ordering::Relaxed);
+            summary.entry_count += p.entries.load(Ordering::Relaxed);
+        }
+        let mut held: HashMap<ReplicaId, i64> = HashMap::new();
+        for s in catalog
+            .scopes
+            .iter()
+            .filter(|s| s.tenant == tenant && s.model == model)
+        {
+            for (r, n) in s.serving() {
+                *held.entry(r).or_insert(0) += n;
+            }
+        }
+        let replicas = self.replica_states(&catalog, &held);
+        summary.replica_count = replicas.len() as i32;
+        let with_stats: Vec<&ReplicaStatsReport> =
+            replicas.iter().filter_map(|r| r.stats.as_ref()).collect();
+        if !with_stats.is_empty() {
+            let n = with_stats.len() as f32;
+            summary.mean_hit_rate = with_stats.iter().map(|s| s.hit_rate).sum::<f32>() / n;
+            summary.mean_pressure = with_stats.iter().map(|s| s.pressure).sum::<f32>() / n;
+            summary.cache_memory_bytes = with_stats.iter().map(|s| s.cache_memory_bytes).sum();
+        }
+        ScopeState { replicas, summary }
+    }
+
+    fn replica_states(
+        &self,
+        catalog: &Catalog,
+        held: &HashMap<ReplicaId, i64>,
+    ) -> Vec<ReplicaState> {
+        let records = self.replicas.read();
+        let mut out: Vec<ReplicaState> = held
+            .iter()
+            .map(|(&r, &entries)| {
+                let record = records.get(&r);
+                ReplicaState {
+                    replica_id: catalog.replica_str(r).to_string(),
+                    stats: record.and_then(|x| x.stats.clone()),
+                    stats_received_ms: record.filter(|x| x.stats.is_some()).map(|x| x.stats_at_ms),
+                    last_heard_ms: record.map(|x| x.last_heard_ms),
+                    entries,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        out
+    }
+
+    /// The cluster aggregate served at `/snapshot`; the probe tenant is excluded.
+    pub fn snapshot(&self) -> Snapshot {
+        let catalog = self.catalog.read();
+        let probe = catalog.name(PROBE_TENANT);
+        let mut held: HashMap<ReplicaId, i64> = HashMap::new();
+        let mut tenants: HashMap<u32, (TenantSnapshot, hashbrown::HashSet<ReplicaId>)> =
+            HashMap::new();
+        for s in catalog.scopes.iter().filter(|s| Some(s.tenant) != probe) {
+            let serving = s.serving();
+            let row = tenants.entry(s.tenant).or_insert_with(|| {
+                (
+                    TenantSnapshot {
+                        tenant_id: catalog.name_str(s.tenant).to_string(),
+                        models: Vec::new(),
+                        replica_count: 0,
+                        prefix_count: 0,
+                        entry_count: 0,
+                    },
+                    hashbrown::HashSet::new(),
+                )
+            });
+            if !serving.is_empty() {
+                let model = catalog.name_str(s.model).to_string();
+                if !row.0.models.contains(&model) {
+                    row.0.models.push(model);
+                }
+            }
+            for (r, n) in serving {
+                *held.entry(r).or_insert(0) += n;
+                row.1.insert(r);
+            }
+        }
+        for p in catalog
+            .partitions
+            .iter()
+            .filter(|p| Some(p.tenant) != probe)
+        {
+            if let Some(row) = tenants.get_mut(&p.tenant) {
+                row.0.prefix_count += p.keys.load(Ordering::Relaxed);
+                row.0.entry_count += p.entries.load(Ordering::Relaxed);
+            }
+        }
+        for &r in self.replicas.read().keys() {
+            held.entry(r).or_insert(0);
+        }
+        let replicas = self.replica_states(&catalog, &held);
+        let mut tenants: Vec<TenantSnapshot> = tenants
+            .into_values()
+            .filter(|(t, _)| t.entry_count > 0)
+            .map(|(mut t, set)| {
+                t.replica_count = set.len();
+                t.models.sort();
+                t
+            })
+            .collect();
+        tenants.sort_by(|a, b| a.tenant_id.cmp(&b.tenant_id));
+        Snapshot {
+            taken_at_ms: self.now_ms(),
+            entry_count: self.entry_count(),
+            prefix_count: self.prefix_count(),
+            max_entries: self.max_entries(),
+            replicas,
+            tenants,
+        }
+    }
+}

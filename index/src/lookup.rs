@@ -1,0 +1,591 @@
+//! LookupRoute: matching, ranking, fallbacks and reason-code precedence.
+//!
+//! Order of decisions (first hit wins):
+//! 1. probe tenant → NO_HINT; deadline already passed → TIMEOUT;
+//!    `requireChain` without a valid wire chain → POLICY_REQUIRES_CHAIN
+//!    (these three echo no adapter: the index is not consulted);
+//! 2. empty hash_scheme or malformed chain → NO_HINT; no fingerprint at all → NO_HINT;
+//! 3. match: chain (longest leading run per replica; drop-out is final;
+//!    weakest-link freshness; coldest tier) or exact `prefix_hash`;
+//! 4. hits → matched-tokens floor → score → routing floor → minimumPrefixTokens gate;
+//!    an exact-path miss → TENANT_HOT (non-chain only) → gate; otherwise the
+//!    diagnostic classifier (UNKNOWN_TENANT / _MODEL / _HASH_SCHEME, cold-start
+//!    carve-out);
+//! 5. anything that downgraded → AFFINITY_HINT when enabled, else NO_HINT;
+//! 6. a deadline passed while working → TIMEOUT (and no LFU credit).
+//!
+//! Cost: one shard read lock and one table probe per chain block while at least
+//! one replica is still in the run; candidates live in a stack buffer. The only
+//! allocation is the result vector (and a small one on the AFFINITY_HINT /
+//! TENANT_HOT paths).
+
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+
+use crate::catalog::{Catalog, PartitionId, ReplicaId, Scope};
+use crate::clock::ms_to_secs;
+use crate::index::{CacheIndex, ReplicaRecord};
+use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier};
+use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction};
+use crate::store::{HashRef, Store};
+
+const INLINE: usize = 16;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Candidate {
+    replica: ReplicaId,
+    matched: i64,
+    blocks: u32,
+    oldest_seen: u32,
+    tier: u8,
+    active: bool,
+}
+
+/// Candidates on the stack, spilling to the heap past [`INLINE`].
+struct Candidates {
+    inline: [Candidate; INLINE],
+    len: usize,
+    spill: Vec<Candidate>,
+}
+
+impl Candidates {
+    fn new() -> Self {
+        Self {
+            inline: [Candidate::default(); INLINE],
+            len: 0,
+            spill: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, c: Candidate) {
+        if self.spill.is_empty() && self.len < INLINE {
+            self.inline[self.len] = c;
+            self.len += 1;
+        } else {
+            if self.spill.is_empty() {
+                self.spill.extend_from_slice(&self.inline[..self.len]);
+            }
+            self.spill.push(c);
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Candidate] {
+        if self.spill.is_empty() {
+            &mut self.inline[..self.len]
+        } else {
+            &mut self.spill
+        }
+    }
+
+    fn as_slice(&self) -> &[Candidate] {
+        if self.spill.is_empty() {
+            &self.inline[..self.len]
+        } else {
+            &self.spill
+        }
+    }
+}
+
+/// How the matching step ended.
+enum Matched {
+    /// Replicas hold a leading part of the prompt.
+    Hits,
+    /// Nobody holds the first block / the exact key.
+    Miss,
+}
+
+/// A positive hint before the final checks, or a downgrade.
+enum Ranked {
+    Hint(Reason, Vec<ReplicaScore>),
+    Downgraded,
+    Diagnostic(Reason),
+}
+
+struct Ctx<'a> {
+    policy: &'a CachePolicy,
+    now_ms: u64,
+    slo_ttft_ms: i32,
+}
+
+impl Ctx<'_> {
+    fn freshness(&self, seen_secs: u32) -> f64 {
+        let ttl = self.policy.eviction_ttl.as_secs_f64();
+        let age = f64::from(ms_to_secs(self.now_ms).saturating_sub(seen_secs));
+        (1.0 - age / ttl).max(0.0)
+    }
+
+    fn pressure_factor(&self, record: Option<&ReplicaRecord>) -> f64 {
+        let Some(stats) = record.and_then(|r| r.stats.as_ref().map(|s| (r.stats_at_ms, s))) else {
+            return 1.0;
+        };
+        let age_ms = self.now_ms.saturating_sub(stats.0);
+        if age_ms as f64 > self.policy.eviction_ttl.as_secs_f64() * 1000.0 {
+            return 1.0;
+        }
+        (1.0 - self.policy.pressure_weight * f64::from(stats.1.pressure)).max(0.0)
+    }
+
+    fn slo_bias(&self, freshness: f64) -> f64 {
+        let tight = self.slo_ttft_ms > 0
+            && (self.slo_ttft_ms as i64) < i64::from(self.policy.slo_tight_ttft_ms);
+        if tight {
+            1.0 + freshness * self.policy.slo_tight_bias
+        } else {
+            1.0
+        }
+    }
+}
+
+fn expired(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+impl CacheIndex {
+    /// Answers one LookupRoute.
+    pub fn lookup(&self, req: &LookupRequest<'_>) -> LookupOutcome {
+        if req.tenant_id == PROBE_TENANT {
+            return LookupOutcome::empty(Reason::NoHint, "");
+        }
+        let policies = self.policies.load();
+        let policy = policies.for_tenant(req.tenant_id);
+        let budget = policy.lookup_timeout_ms.map(|t| req.arrived + t);
+        let deadline = match (budget, req.deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if expired(deadline) {
+            return LookupOutcome::empty(Reason::Timeout, "");
+        }
+        if policy.strategy.require_chain && !req.wire_chain {
+            return LookupOutcome::empty(Reason::PolicyRequiresChain, "");
+        }
+        let adapter = req.adapter_id;
+        if req.hash_scheme.is_empty() || req.chain_malformed {
+            return LookupOutcome::empty(Reason::NoHint, adapter);
+        }
+        let chain = if policy.strategy.enable_chain_matching {
+            req.chain.filter(|c| !c.hashes.is_empty())
+        } else {
+            None
+        };
+        if let Some(c) = chain {
+            if c.hashes.len() != c.token_counts.len()
+                || c.token_counts.iter().any(|&n| n < 0)
+                || (0..c.hashes.len()).any(|i| c.hashes.get(i).is_empty())
+            {
+                return LookupOutcome::empty(Reason::NoHint, adapter);
+            }
+        } else if req.prefix_hash.is_empty() {
+            return LookupOutcome::empty(Reason::NoHint, adapter);
+        }
+
+        let ctx = Ctx {
+            policy,
+            now_ms: self.now_ms(),
+            slo_ttft_ms: req.slo_ttft_ms,
+        };
+        let catalog = self.catalog.read();
+        let scope = catalog.scope(req.tenant_id, req.model_id, req.hash_scheme);
+        let part = catalog.partition(req.tenant_id, req.model_id, req.hash_scheme, adapter);
+        let mut cands = Candidates::new();
+        let request_tokens: i64;
+        let matched = match chain {
+            Some(c) => {
+                request_tokens = c.token_counts.iter().map(|&n| i64::from(n)).sum();
+                match part {
+                    Some(p) => self.walk_chain(p, c, &mut cands),
+                    None => Matched::Miss,
+                }
+            }
+            None => {
+                request_tokens = i64::from(req.prefix_token_count.max(0));
+                match part {
+                    Some(p) => {
+                        self.match_exact(p, req.prefix_hash, req.prefix_token_count, &mut cands)
+                    }
+                    None => Matched::Miss,
+                }
+            }
+        };
+
+        let ranked = match matched {
+            Matched::Hits => {
+                self.rank_prefix_match(&ctx, &catalog, scope, &mut cands, request_tokens)
+            }
+            Matched::Miss => {
+                let hot = if chain.is_none() {
+                    self.tenant_hot(&ctx, &catalog, scope)
+                } else {
+                    Vec::new()
+                };
+                if hot.is_empty() {
+                    match self.classify(&catalog, req) {
+                        Some(code) => Ranked::Diagnostic(code),
+                        None => Ranked::Downgraded,
+                    }
+                } else {
+                    Ranked::Hint(Reason::TenantHot, hot)
+                }
+            }
+        };
+        let ranked = match ranked {
+            Ranked::Hint(_, _) if request_tokens < i64::from(policy.minimum_prefix_tokens) => {
+                Ranked::Downgraded
+            }
+            other => other,
+        };
+        let outcome = match ranked {
+            Ranked::Hint(reason, scores) => LookupOutcome {
+                reason,
+                scores,
+                adapter_id: adapter.to_owned(),
+            },
+            Ranked::Diagnostic(code) => LookupOutcome::empty(code, adapter),
+            Ranked::Downgraded => {
+                match self.affinity(policy, &catalog, scope, chain, req.prefix_hash) {
+                    Some(score) => LookupOutcome {
+                        reason: Reason::AffinityHint,
+                        scores: vec![score],
+                        adapter_id: adapter.to_owned(),
+                    },
+                    None => LookupOutcome::empty(Reason::NoHint, adapter),
+                }
+            }
+        };
+        if expired(deadline) {
+            return LookupOutcome::empty(Reason::Timeout, "");
+        }
+        if outcome.reason == Reason::PrefixMatch
+            && policy.eviction == Eviction::Lfu
+            && let Some(p) = part
+        {
+            self.credit(
+                &catalog,
+                p,
+                chain,
+                req.prefix_hash,
+                &outcome.scores,
+                cands.as_slice(),
+            );
+        }
+        outcome
+    }
+
+    fn walk_chain(&self, part: PartitionId, chain: Chain<'_>, cands: &mut Candidates) -> Matched {
+        for i in 0..chain.hashes.len() {
+            let hash = HashRef::from_bytes(chain.hashes.get(i));
+            let tokens = i64::from(chain.token_counts[i]);
+            let slot = Store::slot(part, hash);
+            let shard = self.store.shard(slot.shard).read();
+            let held = shard.get(part, hash, slot.mixed);
+            if i == 0 {
+                let Some(held) = held else {
+                    return Matched::Miss;
+                };
+                for h in held.holders {
+                    cands.push(Candidate {
+                        replica: h.replica,
+                        matched: tokens,
+                        blocks: 1,
+                        oldest_seen: h.last_seen,
+                        tier: h.tier,
+                        active: true,
+                    });
+                }
+                continue;
+            }
+            let holders = held.map_or(&[][..], |h| h.holders);
+            let mut any = false;
+            for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
+                match holders.iter().find(|h| h.replica == c.replica) {
+                    Some(h) => {
+                        c.matched += tokens;
+                        c.blocks += 1;
+                        c.oldest_seen = c.oldest_seen.min(h.last_seen);
+                        c.tier = c.tier.max(h.tier);
+                        any = true;
+                    }
+                    None => c.active = false,
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        Matched::Hits
+    }
+
+    fn match_exact(
+        &self,
+        part: PartitionId,
+        prefix_hash: &[u8],
+        request_tokens: i32,
+        cands: &mut Candidates,
+    ) -> Matched {
+        let hash = HashRef::from_bytes(prefix_hash);
+        let slot = Store::slot(part, hash);
+        let shard = self.store.shard(slot.shard).read();
+        let Some(held) = shard.get(part, hash, slot.mixed) else {
+            return Matched::Miss;
+        };
+        let tokens = if held.token_count > 0 {
+            i64::from(held.token_count)
+        } else {
+            i64::from(request_tokens.max(0))
+        };
+        for h in held.holders {
+            cands.push(Candidate {
+                replica: h.replica,
+                matched: tokens,
+                blocks: 1,
+                oldest_seen: h.last_seen,
+                tier: h.tier,
+                active: true,
+            });
+        }
+        Matched::Hits
+    }
+
+    fn rank_prefix_match(
+        &self,
+        ctx: &Ctx<'_>,
+        catalog: &Catalog,
+        scope: Option<&std::sync::Arc<Scope>>,
+        cands: &mut Candidates,
+        request_tokens: i64,
+    ) -> Ranked {
+        let all = cands.as_slice();
+        let scope_size = scope.map_or(0, |s| s.serving_count()).max(all.len() as u32);
+        let floor = i64::from(ctx.policy.minimum_matched_tokens);
+        let records = self.replicas.read();
+        let mut scores = Vec::with_capacity(all.len());
+        for c in all.iter().filter(|c| c.matched >= floor && c.matched > 0) {
+            let power = if scope_size <= 1 {
+                1.0
+            } else {
+                let at_least = all.iter().filter(|o| o.matched >= c.matched).count();
+                1.0 - at_least as f64 / f64::from(scope_size)
+            };
+            let freshness = ctx.freshness(c.oldest_seen);
+            let score = c.matched as f64
+                * freshness
+                * ctx.pressure_factor(records.get(&c.replica))
+                * ctx.slo_bias(freshness)
+                * power;
+            let denominator = if request_tokens > 0 {
+                request_tokens
+            } else {
+                c.matched
+            };
+            let hit = (c.matched as f64 / denominator as f64).min(1.0) * freshness;
+            scores.push(ReplicaScore {
+                replica_id: catalog.replica_str(c.replica).clone(),
+                score: score as f32,
+                matched_tokens: i32::try_from(c.matched).unwrap_or(i32::MAX),
+                estimated_cache_hit_prob: hit as f32,
+                tier: Tier::from_u8(c.tier),
+            });
+        }
+        drop(records);
+        if scores.is_empty() {
+            return Ranked::Downgraded;
+        }
+        sort_scores(&mut scores);
+        if f64::from(scores[0].score) < ctx.policy.routing_floor_score {
+            return Ranked::Downgraded;
+        }
+        Ranked::Hint(Reason::PrefixMatch, scores)
+    }
+
+    fn tenant_hot(
+        &self,
+        ctx: &Ctx<'_>,
+        catalog: &Catalog,
+        scope: Option<&std::sync::Arc<Scope>>,
+    ) -> Vec<ReplicaScore> {
+        let policy = ctx.policy;
+        let max_age_ms = policy.tenant_hot_max_age.as_millis() as f64;
+        let Some(scope) = scope else {
+            return Vec::new();
+        };
+        if !policy.strategy.enable_tenant_hot || max_age_ms <= 0.0 {
+            return Vec::new();
+        }
+        let records = self.replicas.read();
+        let mut scores = Vec::new();
+        for (replica, _) in scope.serving() {
+            let Some(record) = records.get(&replica) else {
+                continue;
+            };
+            let Some(stats) = record.stats.as_ref() else {
+                continue;
+            };
+            let age_ms = ctx.now_ms.saturating_sub(record.stats_at_ms) as f64;
+            if age_ms >= max_age_ms || f64::from(stats.hit_rate) < policy.tenant_hot_min_hit_rate {
+                continue;
+            }
+            let recency = 1.0 - age_ms / max_age_ms;
+            let score = f64::from(stats.hit_rate)
+                * recency
+                * ctx.pressure_factor(Some(record))
+                * ctx.slo_bias(recency);
+            scores.push(ReplicaScore {
+                replica_id: catalog.replica_str(replica).clone(),
+                score: score as f32,
+                matched_tokens: 0,
+                estimated_cache_hit_prob: 0.0,
+                tier: Tier::Unspecified,
+            });
+        }
+        sort_scores(&mut scores);
+        scores
+    }
+
+    /// UNKNOWN_* for a set-but-wrong key, outermost first; `None` for a known scope.
+    fn classify(&self, catalog: &Catalog, req: &LookupRequest<'_>) -> Option<Reason> {
+        if self.entry_count() <= 0 || req.tenant_id.is_empty() || req.model_id.is_empty() {
+            return None;
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        let has = |pred: &dyn Fn(&crate::catalog::Partition) -> bool| {
+            catalog
+                .partitions
+                .iter()
+                .any(|p| pred(p) && p.entries.load(Relaxed) > 0)
+        };
+        let Some(tenant) = catalog.name(req.tenant_id) else {
+            return Some(Reason::UnknownTenant);
+        };
+        if !has(&|p| p.tenant == tenant) {
+            return Some(Reason::UnknownTenant);
+        }
+        let model = catalog.name(req.model_id);
+        if !model.is_some_and(|m| has(&|p| p.tenant == tenant && p.model == m)) {
+            return Some(Reason::UnknownModel);
+        }
+        let scheme_known = catalog
+            .scope(req.tenant_id, req.model_id, req.hash_scheme)
+            .is_some_and(|s| s.serving_count() > 0);
+        if !scheme_known {
+            return Some(Reason::UnknownHashScheme);
+        }
+        None
+    }
+
+    fn affinity(
+        &self,
+        policy: &CachePolicy,
+        catalog: &Catalog,
+        scope: Option<&std::sync::Arc<Scope>>,
+        chain: Option<Chain<'_>>,
+        prefix_hash: &[u8],
+    ) -> Option<ReplicaScore> {
+        if !policy.affinity_routing {
+            return None;
+        }
+        let scope = scope?;
+        let mut replicas: Vec<&std::sync::Arc<str>> = scope
+            .serving()
+            .into_iter()
+            .map(|(r, _)| catalog.replica_str(r))
+            .collect();
+        if replicas.is_empty() {
+            return None;
+        }
+        replicas.sort();
+        let seed = affinity_digest(chain, prefix_hash)?;
+        let names: Vec<&str> = replicas.iter().map(|r| r.as_ref()).collect();
+        let pick = pick_affinity(policy.affinity_algorithm, &seed, &names);
+        Some(ReplicaScore {
+            replica_id: replicas[pick].clone(),
+            score: 0.0,
+            matched_tokens: 0,
+            estimated_cache_hit_prob: 0.0,
+            tier: Tier::Unspecified,
+        })
+    }
+
+    fn credit(
+        &self,
+        catalog: &Catalog,
+        part: PartitionId,
+        chain: Option<Chain<'_>>,
+        prefix_hash: &[u8],
+        scores: &[ReplicaScore],
+        cands: &[Candidate],
+    ) {
+        for score in scores {
+            let Some(replica) = catalog.replica(&score.replica_id) else {
+                continue;
+            };
+            let blocks = cands
+                .iter()
+                .find(|c| c.replica == replica)
+                .map_or(0, |c| c.blocks as usize);
+            let touch = |bytes: &[u8]| {
+                let hash = HashRef::from_bytes(bytes);
+                let slot = Store::slot(part, hash);
+                self.store
+                    .shard(slot.shard)
+                    .write()
+                    .credit(part, hash, slot.mixed, replica);
+            };
+            match chain {
+                Some(c) => (0..blocks).for_each(|i| touch(c.hashes.get(i))),
+                None => touch(prefix_hash),
+            }
+        }
+    }
+}
+
+fn sort_scores(scores: &mut [ReplicaScore]) {
+    scores.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then_with(|| a.replica_id.cmp(&b.replica_id))
+    });
+}
+
+/// SHA-256 of the affinity seed: each chain hash prefixed by its 4-byte
+/// big-endian length, concatenated; else the raw `prefix_hash`. `None` without either.
+pub fn affinity_digest(chain: Option<Chain<'_>>, prefix_hash: &[u8]) -> Option<[u8; 32]> {
+    let mut hasher = Sha256::new();
+    match chain {
+        Some(c) if !c.hashes.is_empty() => {
+            for i in 0..c.hashes.len() {
+                let h = c.hashes.get(i);
+                hasher.update((h.len() as u32).to_be_bytes());
+                hasher.update(h);
+            }
+        }
+        _ if !prefix_hash.is_empty() => hasher.update(prefix_hash),
+        _ => return None,
+    }
+    Some(hasher.finalize().into())
+}
+
+/// Index into `replicas` (sorted by id) chosen for a seed digest.
+pub fn pick_affinity(algorithm: AffinityAlgorithm, digest: &[u8; 32], replicas: &[&str]) -> usize {
+    let first8 = |d: &[u8]| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[..8]);
+        u64::from_be_bytes(b)
+    };
+    match algorithm {
+        AffinityAlgorithm::Modulo => (first8(digest) % replicas.len().max(1) as u64) as usize,
+        AffinityAlgorithm::Rendezvous => {
+            let mut best = (0u64, 0usize);
+            for (i, r) in replicas.iter().enumerate() {
+                let mut hasher = Sha256::new();
+                hasher.update(digest);
+                hasher.update(r.as_bytes());
+                let weight = first8(&hasher.finalize());
+                if i == 0 || weight > best.0 {
+                    best = (weight, i);
+                }
+            }
+            best.1
+        }
+    }
+}

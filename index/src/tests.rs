@@ -1,0 +1,860 @@
+//! Rule-by-rule tests of ingest, events, lookup, ranking and sweeping, driven
+//! by a [`ManualClock`] so no test sleeps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::*;
+
+const T: &str = "team-a";
+const M: &str = "llama";
+const S: &str = "vllm";
+
+struct Fixture {
+    clock: ManualClock,
+    index: CacheIndex,
+}
+
+fn fixture() -> Fixture {
+    let clock = ManualClock::default();
+    let index = CacheIndex::new(Arc::new(clock.clone()), DEFAULT_MAX_ENTRIES);
+    Fixture { clock, index }
+}
+
+fn h(n: u64) -> Vec<u8> {
+    n.to_be_bytes().to_vec()
+}
+
+fn chain(range: std::ops::Range<u64>) -> Vec<Vec<u8>> {
+    range.map(h).collect()
+}
+
+fn update(replica: &str, prefixes: Vec<PrefixReport>) -> CacheUpdate {
+    CacheUpdate {
+        replica_id: replica.into(),
+        tenant_id: T.into(),
+        model_id: M.into(),
+        hash_scheme: S.into(),
+        prefixes,
+        ..Default::default()
+    }
+}
+
+fn chain_prefix(blocks: &[Vec<u8>], tokens: i32) -> PrefixReport {
+    PrefixReport {
+        block_hashes: blocks.to_vec(),
+        block_token_counts: vec![tokens; blocks.len()],
+        ..Default::default()
+    }
+}
+
+fn exact_prefix(hash: u64, tokens: i32) -> PrefixReport {
+    PrefixReport {
+        prefix_hash: h(hash),
+        token_count: tokens,
+        ..Default::default()
+    }
+}
+
+impl Fixture {
+    fn hold(&self, replica: &str, blocks: &[Vec<u8>]) {
+        self.index
+            .ingest(&update(replica, vec![chain_prefix(blocks, 64)]));
+    }
+
+    fn stats(&self, replica: &str, hit_rate: f32, pressure: f32) {
+        let mut u = update(replica, vec![]);
+        u.stats = Some(ReplicaStatsReport {
+            hit_rate,
+            pressure,
+            cache_memory_bytes: 1000,
+            ..Default::default()
+        });
+        self.index.ingest(&u);
+    }
+
+    fn policy(&self, yaml_spec: &str) {
+        let doc = format!(
+            "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p, namespace: \"*\"}}\nspec:\n{yaml_spec}"
+        );
+        self.index
+            .set_policies(PolicySet::from_yaml(&doc).expect("policy"));
+    }
+
+    fn lookup_chain(&self, blocks: &[Vec<u8>]) -> LookupOutcome {
+        let counts = vec![64; blocks.len()];
+        let mut r = LookupRequest::new(T, M, S);
+        r.chain = Some(Chain {
+            hashes: BlockHashes::Bytes(blocks),
+            token_counts: &counts,
+        });
+        r.wire_chain = true;
+        self.index.lookup(&r)
+    }
+
+    fn lookup_exact(&self, hash: u64, tokens: i32) -> LookupOutcome {
+        let bytes = h(hash);
+        let mut r = LookupRequest::new(T, M, S);
+        r.prefix_hash = &bytes;
+        r.prefix_token_count = tokens;
+        self.index.lookup(&r)
+    }
+}
+
+fn ids(o: &LookupOutcome) -> Vec<&str> {
+    o.scores.iter().map(|s| &*s.replica_id).collect()
+}
+
+#[test]
+fn worked_example_three_two_one_blocks() {
+    let f = fixture();
+    let blocks = chain(1..4);
+    f.hold("A", &blocks[..3]);
+    f.hold("B", &blocks[..2]);
+    f.hold("C", &blocks[..1]);
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert_eq!(ids(&o), ["A", "B", "C"]);
+    let matched: Vec<i32> = o.scores.iter().map(|s| s.matched_tokens).collect();
+    assert_eq!(matched, [192, 128, 64]);
+    // Fresh entries, no stats, no SLO: score = matched × distinguishing power.
+    let expect = [192.0 * 2.0 / 3.0, 128.0 / 3.0, 0.0];
+    for (s, e) in o.scores.iter().zip(expect) {
+        assert!((f64::from(s.score) - e).abs() < 1e-3, "{} vs {e}", s.score);
+    }
+    assert!((o.scores[0].estimated_cache_hit_prob - 1.0).abs() < 1e-6);
+    assert!((o.scores[2].estimated_cache_hit_prob - 1.0 / 3.0).abs() < 1e-6);
+    assert_eq!(o.scores[0].tier, Tier::T1);
+}
+
+#[test]
+fn drop_out_is_final_and_block_zero_required() {
+    let f = fixture();
+    let blocks = chain(1..5);
+    // B holds blocks 0, 2, 3 but not 1: its run is one block.
+    f.hold("A", &blocks[..2]);
+    f.index.ingest(&update(
+        "B",
+        vec![chain_prefix(
+            &[blocks[0].clone(), blocks[2].clone(), blocks[3].clone()],
+            64,
+        )],
+    ));
+    // C holds everything but block 0: never a candidate.
+    f.hold("C", &blocks[1..]);
+    f.policy("  minimumMatchedTokens: 0\n  routingFloorScore: \"0\"\n");
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert_eq!(ids(&o), ["A", "B"]);
+    assert_eq!(o.scores[1].matched_tokens, 64);
+}
+
+#[test]
+fn weakest_link_freshness_and_coldest_tier() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks[..1]);
+    f.clock.advance(Duration::from_secs(15 * 60));
+    let mut p = chain_prefix(&blocks[1..2], 64);
+    p.tier = Tier::T2;
+    f.index.ingest(&update("A", vec![p]));
+    f.hold("B", &blocks[..1]); // distinguishes A
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    let a = &o.scores[0];
+    assert_eq!(&*a.replica_id, "A");
+    assert_eq!(a.tier, Tier::T2);
+    // oldest block is 15 of 30 minutes old → freshness 0.5; power 1 - 1/2.
+    assert!(
+        (f64::from(a.score) - 128.0 * 0.5 * 0.5).abs() < 1e-3,
+        "{}",
+        a.score
+    );
+    assert!((a.estimated_cache_hit_prob - 0.5).abs() < 1e-6);
+}
+
+#[test]
+fn tier_last_write_wins_and_unspecified_is_t1() {
+    let f = fixture();
+    let mut p = exact_prefix(9, 128);
+    p.tier = Tier::T2;
+    f.index.ingest(&update("A", vec![p.clone()]));
+    f.index.ingest(&update("B", vec![exact_prefix(99, 128)]));
+    assert_eq!(f.lookup_exact(9, 128).scores[0].tier, Tier::T2);
+    p.tier = Tier::Unspecified;
+    f.index.ingest(&update("A", vec![p]));
+    assert_eq!(f.lookup_exact(9, 128).scores[0].tier, Tier::T1);
+}
+
+#[test]
+fn exact_path_and_legacy_key_from_chain() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    let mut p = chain_prefix(&blocks, 64);
+    p.prefix_hash = h(777);
+    p.token_count = 128;
+    f.index.ingest(&update("A", vec![p]));
+    f.hold("B", &chain(50..51));
+    let o = f.lookup_exact(777, 128);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert_eq!(ids(&o), ["A"]);
+    assert_eq!(o.scores[0].matched_tokens, 128);
+    assert_eq!(f.index.entry_count(), 4);
+    assert_eq!(f.index.prefix_count(), 4);
+}
+
+#[test]
+fn chain_lookup_hits_legacy_entry_on_first_block() {
+    let f = fixture();
+    f.index.ingest(&update("A", vec![exact_prefix(1, 64)]));
+    f.hold("B", &chain(50..51));
+    let o = f.lookup_chain(&chain(1..4));
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert_eq!(ids(&o), ["A"]);
+    assert_eq!(o.scores[0].matched_tokens, 64);
+}
+
+#[test]
+fn malformed_and_empty_scheme_ingest_dropped_and_counted() {
+    let f = fixture();
+    let bad = PrefixReport {
+        block_hashes: chain(1..3),
+        block_token_counts: vec![64],
+        ..Default::default()
+    };
+    let empty_hash = PrefixReport {
+        block_hashes: vec![vec![]],
+        block_token_counts: vec![64],
+        ..Default::default()
+    };
+    let r = f.index.ingest(&update(
+        "A",
+        vec![
+            bad,
+            empty_hash,
+            PrefixReport::default(),
+            exact_prefix(5, 16),
+        ],
+    ));
+    assert_eq!(r.dropped_for(DropReason::MalformedChain), 1);
+    assert_eq!(r.dropped_for(DropReason::EmptyHash), 2);
+    assert_eq!(r.accepted_prefixes, 1);
+    let mut u = update("A", vec![exact_prefix(6, 16)]);
+    u.hash_scheme.clear();
+    let r = f.index.ingest(&u);
+    assert_eq!(r.dropped_for(DropReason::EmptyHashScheme), 1);
+    assert_eq!(f.index.entry_count(), 1);
+    let mut u = update("A", vec![exact_prefix(6, 16)]);
+    u.tenant_id = PROBE_TENANT.into();
+    assert_eq!(f.index.ingest(&u).dropped_for(DropReason::ProbeTenant), 1);
+    assert_eq!(f.index.entry_count(), 1);
+}
+
+#[test]
+fn malformed_and_empty_scheme_lookups_are_no_hint() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    let counts = [64];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    r.adapter_id = "x";
+    let o = f.index.lookup(&r);
+    assert_eq!((o.reason, o.adapter_id.as_str()), (Reason::NoHint, "x"));
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain_malformed = true;
+    assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
+    let mut r = LookupRequest::new(T, M, "");
+    let bytes = h(1);
+    r.prefix_hash = &bytes;
+    assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
+    // No fingerprint at all.
+    assert_eq!(
+        f.index.lookup(&LookupRequest::new(T, M, S)).reason,
+        Reason::NoHint
+    );
+}
+
+#[test]
+fn matched_tokens_floor_downgrades_to_affinity_or_no_hint() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    let p = PrefixReport {
+        block_hashes: blocks.clone(),
+        block_token_counts: vec![16, 16],
+        ..Default::default()
+    };
+    f.index.ingest(&update("A", vec![p]));
+    f.hold("B", &chain(50..51));
+    let counts = [16, 16];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    let o = f.index.lookup(&r);
+    assert_eq!(o.reason, Reason::AffinityHint);
+    assert_eq!(o.scores.len(), 1);
+    assert_eq!((o.scores[0].score, o.scores[0].matched_tokens), (0.0, 0));
+    f.policy("  affinityRouting: Disabled\n");
+    assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
+}
+
+#[test]
+fn routing_floor_downgrades_equal_depth() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    f.hold("B", &blocks);
+    // Both at the same depth: power 0 → score 0 < 0.1.
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::AffinityHint);
+    f.policy("  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::NoHint);
+    f.policy("  routingFloorScore: \"0\"\n");
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
+}
+
+#[test]
+fn single_replica_has_full_power() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert!((o.scores[0].score - 128.0).abs() < 1e-3);
+}
+
+#[test]
+fn minimum_prefix_tokens_gate_in_both_affinity_modes() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    f.policy("  minimumPrefixTokens: 1000\n");
+    let o = f.lookup_chain(&blocks);
+    assert_eq!((o.reason, ids(&o)), (Reason::AffinityHint, vec!["A"]));
+    f.policy("  minimumPrefixTokens: 1000\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::NoHint);
+    // TENANT_HOT is gated too.
+    f.stats("A", 0.9, 0.0);
+    f.policy("  minimumPrefixTokens: 1000\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_exact(12345, 64).reason, Reason::NoHint);
+    f.policy("  minimumPrefixTokens: 1000\n");
+    assert_eq!(f.lookup_exact(12345, 64).reason, Reason::AffinityHint);
+}
+
+#[test]
+fn tenant_hot_for_exact_misses_only() {
+    let f = fixture();
+    f.hold("A", &chain(1..2));
+    f.hold("B", &chain(2..3));
+    f.hold("C", &chain(3..4));
+    f.stats("A", 0.5, 0.0);
+    f.stats("B", 0.9, 0.5);
+    f.stats("C", 0.05, 0.0); // below the hit-rate floor
+    let o = f.lookup_exact(999, 64);
+    assert_eq!(o.reason, Reason::TenantHot);
+    assert_eq!(ids(&o), ["A", "B"]);
+    assert!((o.scores[0].score - 0.5).abs() < 1e-6);
+    assert!((o.scores[1].score - 0.45).abs() < 1e-6);
+    assert!(
+        o.scores
+            .iter()
+            .all(|s| s.matched_tokens == 0 && s.tier == Tier::Unspecified)
+    );
+    // Chain misses never fall to TENANT_HOT.
+    assert_eq!(
+        f.lookup_chain(&chain(100..102)).reason,
+        Reason::AffinityHint
+    );
+    // Stats age out of the window.
+    f.clock.advance(Duration::from_secs(5 * 60));
+    assert_eq!(f.lookup_exact(999, 64).reason, Reason::AffinityHint);
+}
+
+#[test]
+fn tenant_hot_disabled_and_zero_age() {
+    let f = fixture();
+    f.hold("A", &chain(1..2));
+    f.stats("A", 0.9, 0.0);
+    f.policy("  strategy: {enableTenantHot: false}\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_exact(999, 64).reason, Reason::NoHint);
+    f.policy("  tenantHotMaxAge: 0s\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_exact(999, 64).reason, Reason::NoHint);
+}
+
+#[test]
+fn slo_bias_and_pressure() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    f.stats("A", 0.5, 0.25);
+    let counts = [64, 64];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    let base = f.index.lookup(&r).scores[0].score;
+    assert!((base - 128.0 * 0.75).abs() < 1e-3, "{base}");
+    r.slo_ttft_ms = 100;
+    let tight = f.index.lookup(&r).scores[0].score;
+    assert!((tight - 128.0 * 0.75 * 2.0).abs() < 1e-3, "{tight}");
+    r.slo_ttft_ms = 500;
+    assert!((f.index.lookup(&r).scores[0].score - base).abs() < 1e-6);
+    // Stats older than the TTL are ignored.
+    f.clock.advance(Duration::from_secs(31 * 60));
+    f.hold("A", &blocks);
+    r.slo_ttft_ms = 0;
+    assert!((f.index.lookup(&r).scores[0].score - 128.0).abs() < 1e-3);
+}
+
+#[test]
+fn diagnostics_outer_to_inner_and_cold_start() {
+    let f = fixture();
+    let probe = |t: &'static str, m: &'static str, s: &'static str| {
+        let bytes = h(424242);
+        let mut r = LookupRequest::new(t, m, s);
+        r.prefix_hash = &bytes;
+        f.index.lookup(&r).reason
+    };
+    assert_eq!(probe("nobody", M, S), Reason::NoHint, "cold start");
+    f.hold("A", &chain(1..2));
+    assert_eq!(probe("nobody", M, S), Reason::UnknownTenant);
+    assert_eq!(probe("nobody", "other", "sglang"), Reason::UnknownTenant);
+    assert_eq!(probe(T, "other", "sglang"), Reason::UnknownModel);
+    assert_eq!(probe(T, M, "sglang"), Reason::UnknownHashScheme);
+    assert_eq!(probe(T, M, S), Reason::AffinityHint);
+    assert_eq!(probe("", M, S), Reason::NoHint);
+    assert_eq!(probe(T, "", S), Reason::NoHint);
+    // Chain misses classify the same way.
+    let blocks = chain(500..502);
+    let counts = [64, 64];
+    let mut r = LookupRequest::new(T, M, "sglang");
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    assert_eq!(f.index.lookup(&r).reason, Reason::UnknownHashScheme);
+    // An unseen adapter in a known domain is a novel-prefix miss.
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    r.adapter_id = "never-seen";
+    let o = f.index.lookup(&r);
+    assert_eq!(
+        (o.reason, o.adapter_id.as_str()),
+        (Reason::AffinityHint, "never-seen")
+    );
+}
+
+#[test]
+fn timeout_precedence_and_no_credit() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    f.policy("  eviction: LFU\n  lookupTimeoutMs: 5\n");
+    let counts = [64, 64];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    r.adapter_id = "x";
+    r.arrived = Instant::now() - Duration::from_millis(50);
+    let o = f.index.lookup(&r);
+    assert_eq!(
+        (o.reason, o.adapter_id.as_str(), o.scores.len()),
+        (Reason::Timeout, "", 0)
+    );
+    r.arrived = Instant::now();
+    r.deadline = Some(Instant::now() - Duration::from_millis(1));
+    assert_eq!(f.index.lookup(&r).reason, Reason::Timeout);
+    // Timed-out lookups credited nothing: check access counters via LFU order.
+    assert_eq!(access_of(&f, "A", &blocks[0]), 0);
+    r.deadline = None;
+    r.adapter_id = "";
+    assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
+    assert_eq!(access_of(&f, "A", &blocks[0]), 1);
+    assert_eq!(access_of(&f, "A", &blocks[1]), 1);
+}
+
+fn access_of(f: &Fixture, replica: &str, hash: &[u8]) -> u16 {
+    let catalog = f.index.catalog.read();
+    let part = catalog.partition(T, M, S, "").expect("partition");
+    let r = catalog.replica(replica).expect("replica");
+    let key = crate::store::HashRef::from_bytes(hash);
+    let slot = crate::store::Store::slot(part, key);
+    let shard = f.index.store.shard(slot.shard).read();
+    shard
+        .get(part, key, slot.mixed)
+        .and_then(|held| {
+            held.holders
+                .iter()
+                .find(|x| x.replica == r)
+                .map(|x| x.access)
+        })
+        .unwrap_or(u16::MAX)
+}
+
+#[test]
+fn lfu_credit_only_on_prefix_match_in_lfu_namespaces() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
+    assert_eq!(
+        access_of(&f, "A", &blocks[0]),
+        0,
+        "LRU namespaces stay side-effect free"
+    );
+    f.policy("  eviction: LFU\n  minimumPrefixTokens: 1000\n");
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::AffinityHint);
+    assert_eq!(
+        access_of(&f, "A", &blocks[0]),
+        0,
+        "non-hit responses credit nothing"
+    );
+}
+
+#[test]
+fn require_chain_and_chain_matching_gates() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    let mut p = chain_prefix(&blocks, 64);
+    p.prefix_hash = h(900);
+    p.token_count = 128;
+    f.index.ingest(&update("A", vec![p]));
+    f.policy("  strategy: {requireChain: true}\n");
+    let o = f.lookup_exact(900, 128);
+    assert_eq!(
+        (o.reason, o.adapter_id.as_str()),
+        (Reason::PolicyRequiresChain, "")
+    );
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
+    // A derived (token-id) chain is not a wire chain.
+    let fixed: Vec<[u8; 8]> = (1u64..3).map(u64::to_be_bytes).collect();
+    let counts = [64, 64];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Fixed(&fixed),
+        token_counts: &counts,
+    });
+    assert_eq!(f.index.lookup(&r).reason, Reason::PolicyRequiresChain);
+    f.policy("");
+    assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
+    // enableChainMatching=false: chain stripped, exact prefix_hash used.
+    f.policy("  strategy: {enableChainMatching: false}\n");
+    let legacy = h(900);
+    r.prefix_hash = &legacy;
+    r.prefix_token_count = 128;
+    let o = f.index.lookup(&r);
+    assert_eq!(
+        (o.reason, o.scores[0].matched_tokens),
+        (Reason::PrefixMatch, 128)
+    );
+    r.prefix_hash = &[];
+    assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
+}
+
+#[test]
+fn adapter_partitions_and_echo() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    let mut u = update("A", vec![chain_prefix(&blocks, 64)]);
+    u.adapter_id = "sql-lora".into();
+    f.index.ingest(&u);
+    let mut p = chain_prefix(&blocks, 64);
+    p.adapter_id = "chat-lora".into();
+    let mut u = update("B", vec![p]);
+    u.adapter_id = "sql-lora".into(); // entry adapter wins
+    f.index.ingest(&u);
+    f.policy("  affinityRouting: Disabled\n");
+    let counts = [64, 64];
+    for (adapter, want) in [
+        ("sql-lora", vec!["A"]),
+        ("chat-lora", vec!["B"]),
+        ("", vec![]),
+    ] {
+        let mut r = LookupRequest::new(T, M, S);
+        r.chain = Some(Chain {
+            hashes: BlockHashes::Bytes(&blocks),
+            token_counts: &counts,
+        });
+        r.adapter_id = adapter;
+        let o = f.index.lookup(&r);
+        assert_eq!(o.adapter_id, adapter);
+        assert_eq!(ids(&o), want, "adapter {adapter}");
+    }
+}
+
+#[test]
+fn events_evict_narrow_and_wide_and_clear() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    for adapter in ["a1", "a2"] {
+        let mut u = update("A", vec![chain_prefix(&blocks, 64)]);
+        u.adapter_id = adapter.into();
+        f.index.ingest(&u);
+    }
+    f.hold("B", &blocks);
+    assert_eq!(f.index.entry_count(), 6);
+    let ev = |kind, adapter: &str, hash: Vec<u8>, replica: &str| CacheEvent {
+        kind,
+        replica_id: replica.into(),
+        model_id: M.into(),
+        tenant_id: T.into(),
+        prefix_hash: hash,
+        adapter_id: adapter.into(),
+    };
+    let r = f
+        .index
+        .publish(&ev(EventKind::PrefixEvicted, "a1", blocks[0].clone(), "A"));
+    assert_eq!(r.entries_removed, 1);
+    let r = f
+        .index
+        .publish(&ev(EventKind::PrefixEvicted, "", blocks[1].clone(), "A"));
+    assert_eq!(r.entries_removed, 2);
+    assert_eq!(
+        f.index
+            .publish(&ev(EventKind::PrefixAdded, "", blocks[0].clone(), "C"))
+            .entries_removed,
+        0
+    );
+    assert_eq!(f.index.entry_count(), 3);
+    let r = f
+        .index
+        .publish(&ev(EventKind::AllCleared, "a2", vec![], "A"));
+    assert_eq!(r.entries_removed, 1, "ALL_CLEARED ignores the adapter");
+    assert_eq!(f.index.entry_count(), 2);
+    assert_eq!(f.index.evictions(EvictionReason::Event), 4);
+    let mut probe = ev(EventKind::AllCleared, "", vec![], "B");
+    probe.tenant_id = PROBE_TENANT.into();
+    assert!(!f.index.publish(&probe).applied);
+    assert_eq!(f.index.entry_count(), 2);
+    f.clock.advance(Duration::from_secs(3));
+    assert!(
+        f.index
+            .publish(&ev(EventKind::ReplicaUpdated, "", vec![], "B"))
+            .applied
+    );
+    let state = f.index.cache_state(T, M);
+    let b = state
+        .replicas
+        .iter()
+        .find(|r| r.replica_id == "B")
+        .expect("B");
+    assert_eq!(b.last_heard_ms, Some(f.clock.now_ms()));
+    // Serving scope shrinks when the last entry goes.
+    f.index.publish(&ev(EventKind::AllCleared, "", vec![], "B"));
+    assert_eq!(f.index.cache_state(T, M).summary.replica_count, 0);
+    assert_eq!(f.index.prefix_count(), 0);
+}
+
+#[test]
+fn probe_tenant_is_unreadable() {
+    let f = fixture();
+    f.hold("A", &chain(1..2));
+    let bytes = h(1);
+    let mut r = LookupRequest::new(PROBE_TENANT, M, S);
+    r.prefix_hash = &bytes;
+    r.adapter_id = "x";
+    let o = f.index.lookup(&r);
+    assert_eq!((o.reason, o.adapter_id.as_str()), (Reason::NoHint, ""));
+    assert_eq!(f.index.cache_state(PROBE_TENANT, M), ScopeState::default());
+    assert!(
+        f.index
+            .snapshot()
+            .tenants
+            .iter()
+            .all(|t| t.tenant_id != PROBE_TENANT)
+    );
+}
+
+#[test]
+fn cache_state_and_snapshot_aggregate() {
+    let f = fixture();
+    f.hold("A", &chain(1..4));
+    f.hold("B", &chain(1..2));
+    let mut u = update("C", vec![chain_prefix(&chain(1..2), 64)]);
+    u.hash_scheme = "sglang".into();
+    f.index.ingest(&u);
+    f.stats("A", 0.5, 0.2);
+    f.stats("B", 0.7, 0.4);
+    let s = f.index.cache_state(T, M);
+    assert_eq!(s.summary.replica_count, 3);
+    assert_eq!(s.summary.entry_count, 5);
+    assert_eq!(s.summary.prefix_count, 4);
+    assert!((s.summary.mean_hit_rate - 0.6).abs() < 1e-6);
+    assert!((s.summary.mean_pressure - 0.3).abs() < 1e-6);
+    assert_eq!(s.summary.cache_memory_bytes, 2000);
+    assert_eq!(
+        s.replicas
+            .iter()
+            .map(|r| r.replica_id.as_str())
+            .collect::<Vec<_>>(),
+        ["A", "B", "C"]
+    );
+    assert_eq!(f.index.cache_state(T, "other"), ScopeState::default());
+    let snap = f.index.snapshot();
+    assert_eq!(snap.entry_count, 5);
+    assert_eq!(snap.tenants.len(), 1);
+    assert_eq!(snap.tenants[0].replica_count, 3);
+    assert_eq!(snap.tenants[0].models, [M]);
+}
+
+#[test]
+fn ttl_sweep_uses_tenant_ttl() {
+    let f = fixture();
+    f.hold("A", &chain(1..3));
+    f.clock.advance(Duration::from_secs(20 * 60));
+    f.hold("B", &chain(5..6));
+    assert_eq!(f.index.sweep(), SweepReport::default());
+    f.clock.advance(Duration::from_secs(11 * 60));
+    let r = f.index.sweep();
+    assert_eq!(r.ttl, 2);
+    assert_eq!(f.index.entry_count(), 1);
+    assert_eq!(f.index.evictions(EvictionReason::Ttl), 2);
+    f.policy("  evictionTTL: 5m\n");
+    assert_eq!(f.index.sweep().ttl, 1);
+    assert_eq!(f.index.entry_count(), 0);
+    assert_eq!(f.index.prefix_count(), 0);
+}
+
+#[test]
+fn global_cap_evicts_lru() {
+    let f = fixture();
+    for i in 0..10u64 {
+        f.hold("A", &chain(i..i + 1));
+        f.clock.advance(Duration::from_secs(1));
+    }
+    f.index.set_max_entries(6);
+    let r = f.index.sweep();
+    assert_eq!(r.capacity, 4);
+    assert_eq!(f.index.entry_count(), 6);
+    assert_eq!(f.index.evictions(EvictionReason::Capacity), 4);
+    // The four oldest went.
+    f.policy("  minimumMatchedTokens: 0\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_chain(&chain(3..4)).reason, Reason::NoHint);
+    assert_eq!(f.lookup_chain(&chain(4..5)).reason, Reason::PrefixMatch);
+}
+
+#[test]
+fn tenant_quota_evicts_lfu() {
+    let f = fixture();
+    f.policy("  eviction: LFU\n  quota: {maxIndexEntries: 2}\n");
+    for i in 0..4u64 {
+        f.hold("A", &chain(i..i + 1));
+        f.clock.advance(Duration::from_secs(1));
+    }
+    // Credit blocks 0 and 1 (oldest) so LFU keeps them over LRU order.
+    for _ in 0..2 {
+        assert_eq!(f.lookup_chain(&chain(0..1)).reason, Reason::PrefixMatch);
+        assert_eq!(f.lookup_chain(&chain(1..2)).reason, Reason::PrefixMatch);
+    }
+    let r = f.index.sweep();
+    assert_eq!(r.quota, 2);
+    assert_eq!(f.index.entry_count(), 2);
+    assert_eq!(f.lookup_chain(&chain(0..1)).reason, Reason::PrefixMatch);
+    assert_eq!(f.lookup_chain(&chain(1..2)).reason, Reason::PrefixMatch);
+    assert_ne!(f.lookup_chain(&chain(2..3)).reason, Reason::PrefixMatch);
+}
+
+#[test]
+fn affinity_test_vectors_modulo_and_rendezvous() {
+    let blocks: Vec<Vec<u8>> = vec![h(1), h(2)];
+    let counts = [16, 16];
+    let c = Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    };
+    let digest = affinity_digest(Some(c), &[]).expect("seed");
+    // Seed bytes: 00000008 0000000000000001 00000008 0000000000000002.
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(hex, AFFINITY_VECTOR_DIGEST);
+    let replicas = ["r0", "r1", "r2", "r3", "r4"];
+    assert_eq!(
+        pick_affinity(AffinityAlgorithm::Modulo, &digest, &replicas),
+        AFFINITY_VECTOR_MODULO
+    );
+    assert_eq!(
+        pick_affinity(AffinityAlgorithm::Rendezvous, &digest, &replicas),
+        AFFINITY_VECTOR_RENDEZVOUS
+    );
+    // Raw prefix_hash seed when there is no chain.
+    let raw = affinity_digest(None, &h(1)).expect("seed");
+    let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(
+        hex,
+        "cd2662154e6d76b2b2b92e70c0cac3ccf534f9b74eb5b89819ec509083d00a50"
+    );
+    let seven = ["r0", "r1", "r2", "r3", "r4", "r5", "r6"];
+    assert_eq!(pick_affinity(AffinityAlgorithm::Modulo, &raw, &seven), 5);
+    assert_eq!(
+        pick_affinity(AffinityAlgorithm::Rendezvous, &raw, &seven),
+        2
+    );
+    assert!(affinity_digest(None, &[]).is_none());
+}
+
+// Pinned with an independent computation (Python hashlib) of the documented construction.
+const AFFINITY_VECTOR_DIGEST: &str =
+    "d442d40d2b7b30a3fedbfe229bd161dc60a5154f55411f8a8739bf76d75382f4";
+const AFFINITY_VECTOR_MODULO: usize = 0;
+const AFFINITY_VECTOR_RENDEZVOUS: usize = 2;
+
+#[test]
+fn affinity_is_stable_and_rendezvous_moves_few() {
+    let f = fixture();
+    for r in ["r0", "r1", "r2", "r3"] {
+        f.hold(r, &chain(1000..1001));
+    }
+    let pick = |f: &Fixture, seed: u64| {
+        let o = f.lookup_chain(&chain(seed * 10..seed * 10 + 2));
+        assert_eq!(o.reason, Reason::AffinityHint);
+        o.scores[0].replica_id.to_string()
+    };
+    let first: Vec<String> = (1..50).map(|s| pick(&f, s)).collect();
+    let again: Vec<String> = (1..50).map(|s| pick(&f, s)).collect();
+    assert_eq!(first, again);
+    f.policy("  affinityAlgorithm: Rendezvous\n");
+    let before: Vec<String> = (1..200).map(|s| pick(&f, s)).collect();
+    f.hold("r4", &chain(1000..1001));
+    let after: Vec<String> = (1..200).map(|s| pick(&f, s)).collect();
+    let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+    assert!(
+        after.iter().zip(&before).all(|(a, b)| a == b || a == "r4"),
+        "only moves to the new replica"
+    );
+    assert!(moved < 80, "rendezvous moved {moved} of 199");
+}
+
+#[test]
+fn wide_hashes_match_within_scheme() {
+    let f = fixture();
+    let blocks: Vec<Vec<u8>> = vec![vec![1; 16], vec![2; 16]];
+    f.hold("A", &blocks);
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(
+        (o.reason, o.scores[0].matched_tokens),
+        (Reason::PrefixMatch, 128)
+    );
+}
+
+#[test]
+fn fixed_and_byte_chains_are_the_same_keys() {
+    let f = fixture();
+    f.hold("A", &chain(1..3));
+    let fixed: Vec<[u8; 8]> = (1u64..3).map(u64::to_be_bytes).collect();
+    let counts = [64, 64];
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Fixed(&fixed),
+        token_counts: &counts,
+    });
+    assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
+}
