@@ -1,0 +1,32 @@
+//! Resolved settings of `inference-cache serve`, validated once at start-up.
+
+use std::net::SocketAddr;
+
+/// Everything [`crate::start`] needs. `Default` is the embedded default
+/// configuration the binary runs with when no flag is given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeConfig {
+    /// gRPC listen address (plaintext HTTP/2).
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
+    pub admin_addr: SocketAddr,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            admin_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Both listeners on an ephemeral loopback port (for tests and benchmarks).
+    pub fn ephemeral() -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        }
+    }
+}

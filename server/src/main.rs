@@ -1,0 +1,118 @@
+//! `inference-cache`: the KV-cache-aware routing policy server.
+//!
+//! Parses the command line, sets up logging, runs the chosen subcommand, and
+//! maps errors to a non-zero exit code.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use inference_cache_server::{ServeConfig, start};
+use tracing_subscriber::EnvFilter;
+
+/// KV-cache-aware routing hints for LLM gateways.
+#[derive(Debug, Parser)]
+#[command(name = "inference-cache", version, about, long_about = None)]
+struct Cli {
+    /// Log output format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "INFERENCE_CACHE_LOG_FORMAT")]
+    log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the policy server (gRPC InferenceCache service + admin HTTP).
+    Serve(ServeArgs),
+}
+
+/// Flags of `inference-cache serve`.
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// gRPC listen address (plaintext HTTP/2): InferenceCache, grpc.health.v1, reflection.
+    #[arg(
+        long,
+        default_value = "0.0.0.0:9090",
+        env = "INFERENCE_CACHE_GRPC_ADDR"
+    )]
+    grpc_addr: SocketAddr,
+
+    /// Admin HTTP listen address: /healthz, /readyz, /metrics.
+    #[arg(
+        long,
+        default_value = "0.0.0.0:8080",
+        env = "INFERENCE_CACHE_ADMIN_ADDR"
+    )]
+    admin_addr: SocketAddr,
+}
+
+impl ServeArgs {
+    fn into_config(self) -> ServeConfig {
+        ServeConfig {
+            grpc_addr: self.grpc_addr,
+            admin_addr: self.admin_addr,
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Resolves when SIGINT or SIGTERM arrives.
+async fn termination_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::select! {
+        result = tokio::signal::ctrl_c() => result?,
+        _ = terminate.recv() => {}
+    }
+    Ok(())
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let server = start(args.into_config()).await?;
+    let token = server.shutdown_token();
+    tokio::spawn(async move {
+        match termination_signal().await {
+            Ok(()) => tracing::info!("shutdown signal received, draining"),
+            Err(error) => tracing::error!(%error, "installing signal handlers failed"),
+        }
+        token.cancel();
+    });
+    server.wait().await
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let result = match cli.command {
+        Command::Serve(args) => serve(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!("{error:#}");
+            eprintln!("inference-cache: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

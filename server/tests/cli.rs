@@ -1,0 +1,93 @@
+//! The `inference-cache` binary: documented flags, start-up on real sockets,
+//! and graceful shutdown on SIGTERM.
+
+use std::io::{BufRead as _, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_inference-cache");
+
+#[test]
+fn help_documents_every_serve_flag() {
+    let output = Command::new(BIN)
+        .args(["serve", "--help"])
+        .output()
+        .expect("run --help");
+    assert!(output.status.success());
+    let help = String::from_utf8_lossy(&output.stdout);
+    for flag in ["--grpc-addr", "--admin-addr", "--log-format"] {
+        assert!(help.contains(flag), "serve --help lacks {flag}:\n{help}");
+    }
+    assert!(
+        help.contains("0.0.0.0:9090") && help.contains("0.0.0.0:8080"),
+        "{help}"
+    );
+}
+
+#[test]
+fn bad_flag_values_are_named() {
+    let output = Command::new(BIN)
+        .args(["serve", "--grpc-addr", "not-an-address"])
+        .output()
+        .expect("run serve");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--grpc-addr"), "{stderr}");
+}
+
+#[test]
+fn serves_then_drains_on_sigterm() {
+    let mut child = Command::new(BIN)
+        .args([
+            "--log-format",
+            "json",
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn server");
+    let stderr = child.stderr.take().expect("stderr piped");
+    let mut lines = BufReader::new(stderr).lines();
+    let serving = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|line| line.contains("\"serving\""))
+        .expect("a 'serving' log line");
+    let log: serde_json::Value = serde_json::from_str(&serving).expect("JSON log line");
+    let admin = log["fields"]["admin_addr"]
+        .as_str()
+        .expect("admin_addr field")
+        .to_owned();
+
+    let mut stream = std::net::TcpStream::connect(&admin).expect("admin listener accepts");
+    use std::io::{Read as _, Write as _};
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .expect("write request");
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).expect("read reply");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    assert!(status.is_ok_and(|s| s.success()));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(exit) = child.try_wait().expect("wait") {
+            assert!(exit.success(), "exit status {exit}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "server did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().any(|l| l.contains("stopped")), "{rest:?}");
+}
