@@ -8,7 +8,7 @@
 
 #![allow(dead_code)]
 
-use inference_cache_fingerprint::{encode, prefix_hashes};
+use inference_cache_fingerprint::{content_hash, encode, prefix_hashes};
 use inference_cache_index::{CacheUpdate, PrefixReport};
 
 /// Replicas in the workload.
@@ -22,6 +22,10 @@ pub const BLOCK: usize = 16;
 pub struct Workload {
     /// Wire hashes of each chain.
     pub chains: Vec<Vec<Vec<u8>>>,
+    /// Prefix hashes of each chain as `u64`.
+    pub prefixes: Vec<Vec<u64>>,
+    /// Per-block content hashes of each chain.
+    pub contents: Vec<Vec<u64>>,
     /// Replicas holding each chain.
     pub holders: usize,
 }
@@ -32,6 +36,8 @@ impl Workload {
         let per_chain = CHAIN_BLOCKS * holders;
         let n = entries.div_ceil(per_chain);
         let mut chains = Vec::with_capacity(n);
+        let mut prefixes = Vec::with_capacity(n);
+        let mut contents = Vec::with_capacity(n);
         for c in 0..n {
             let group = (c / 32) as u32;
             let mut tokens: Vec<u32> = (0..(16 * BLOCK) as u32)
@@ -42,9 +48,16 @@ impl Workload {
                     .map(|t| (c as u32).wrapping_mul(104_729).wrapping_add(t) | 0x8000_0000),
             );
             let hashes = prefix_hashes(&tokens, BLOCK);
-            chains.push(hashes.into_iter().map(|h| encode(h).to_vec()).collect());
+            chains.push(hashes.iter().map(|&h| encode(h).to_vec()).collect());
+            prefixes.push(hashes);
+            contents.push(tokens.chunks_exact(BLOCK).map(content_hash).collect());
         }
-        Self { chains, holders }
+        Self {
+            chains,
+            prefixes,
+            contents,
+            holders,
+        }
     }
 
     /// The replicas holding chain `c`.
@@ -57,20 +70,25 @@ impl Workload {
         let mut out = Vec::new();
         for (c, chain) in self.chains.iter().enumerate() {
             for r in self.holders_of(c) {
-                out.push(CacheUpdate {
-                    replica_id: format!("replica-{r}"),
-                    tenant_id: "tenant".into(),
-                    model_id: "model".into(),
-                    hash_scheme: "vllm".into(),
-                    prefixes: vec![PrefixReport {
-                        block_hashes: chain.clone(),
-                        block_token_counts: vec![BLOCK as i32; chain.len()],
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                });
+                out.push(update(r, chain));
             }
         }
         out
+    }
+}
+
+/// The update of replica `r` holding `chain`.
+pub fn update(r: usize, chain: &[Vec<u8>]) -> CacheUpdate {
+    CacheUpdate {
+        replica_id: format!("replica-{r}"),
+        tenant_id: "tenant".into(),
+        model_id: "model".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![PrefixReport {
+            block_hashes: chain.to_vec(),
+            block_token_counts: vec![BLOCK as i32; chain.len()],
+            ..Default::default()
+        }],
+        ..Default::default()
     }
 }

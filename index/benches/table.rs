@@ -1,0 +1,260 @@
+//! Full-scale index measurements printed as a Markdown table: bytes per
+//! block-replica entry (counting allocator), 64-block chain lookup latency
+//! percentiles and single-thread ingest rate, at 1M and 10M entries over 8
+//! replicas; with `--features compare-kv-index`, the same workload on the
+//! published `kv-index` crate (`ChainIndex`) in the same run.
+//!
+//! Run: `cargo bench -p inference-cache-index --bench table --features compare-kv-index`
+//! (`TABLE_SIZES=1000000:1,10000000:2` picks entries:holders pairs).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Instant;
+
+use inference_cache_index::{BlockHashes, CacheIndex, Chain, LookupRequest, Reason, SystemClock};
+
+mod support;
+use support::{BLOCK, CHAIN_BLOCKS, REPLICAS, Workload};
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+/// Forwards to the system allocator and keeps a count of live bytes.
+struct Counting;
+
+#[expect(
+    unsafe_code,
+    reason = "a global allocator is an unsafe impl; this one only forwards to System and counts bytes"
+)]
+// SAFETY: every method forwards its arguments unchanged to `System`, which
+// upholds the `GlobalAlloc` contract; the counter has no effect on memory.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn live() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// One measured row.
+struct Row {
+    name: &'static str,
+    entries: usize,
+    holders: usize,
+    bytes_per_entry: f64,
+    ingest_per_sec: f64,
+    p50_ns: u64,
+    p99_ns: u64,
+    p999_ns: u64,
+}
+
+fn percentile(sorted: &[u64], q: f64) -> u64 {
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn lookup_order(chains: usize, n: usize) -> Vec<usize> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % chains as u64) as usize
+        })
+        .collect()
+}
+
+const LOOKUPS: usize = 200_000;
+
+fn ours(work: &Workload) -> Row {
+    let updates = work.updates();
+    let base = live();
+    let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
+    let start = Instant::now();
+    for u in &updates {
+        index.ingest(u);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let entries = index.entry_count() as usize;
+    let bytes = (live() - base) as f64;
+    drop(updates);
+    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
+    let mut samples = Vec::with_capacity(LOOKUPS);
+    let mut hits = 0usize;
+    for c in lookup_order(work.chains.len(), LOOKUPS) {
+        let mut r = LookupRequest::new("tenant", "model", "vllm");
+        r.chain = Some(Chain {
+            hashes: BlockHashes::Bytes(&work.chains[c]),
+            token_counts: &counts,
+        });
+        let t = Instant::now();
+        let outcome = black_box(index.lookup(&r));
+        samples.push(t.elapsed().as_nanos() as u64);
+        hits += usize::from(
+            outcome.reason == Reason::PrefixMatch || outcome.reason == Reason::AffinityHint,
+        );
+    }
+    assert_eq!(hits, LOOKUPS, "every lookup must find its chain");
+    samples.sort_unstable();
+    Row {
+        name: "inference-cache-index",
+        entries,
+        holders: work.holders,
+        bytes_per_entry: bytes / entries as f64,
+        ingest_per_sec: entries as f64 / elapsed,
+        p50_ns: percentile(&samples, 0.5),
+        p99_ns: percentile(&samples, 0.99),
+        p999_ns: percentile(&samples, 0.999),
+    }
+}
+
+#[cfg(feature = "compare-kv-index")]
+fn kv_index(work: &Workload, entries: usize) -> Row {
+    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+    let blocks: Vec<Vec<StoredBlock>> = work
+        .prefixes
+        .iter()
+        .zip(&work.contents)
+        .map(|(p, c)| {
+            p.iter()
+                .zip(c)
+                .map(|(&s, &c)| StoredBlock {
+                    seq_hash: SequenceHash(s),
+                    content_hash: ContentHash(c),
+                })
+                .collect()
+        })
+        .collect();
+    let requests: Vec<Vec<ContentHash>> = work
+        .contents
+        .iter()
+        .map(|c| c.iter().map(|&h| ContentHash(h)).collect())
+        .collect();
+    let base = live();
+    let index = ChainIndex::new();
+    let workers: Vec<u32> = (0..REPLICAS)
+        .map(|r| {
+            index
+                .intern_worker(&format!("replica-{r}"))
+                .expect("worker slot")
+        })
+        .collect();
+    let mut maps: Vec<ChainBlockMap> = (0..REPLICAS).map(|_| ChainBlockMap::default()).collect();
+    let start = Instant::now();
+    let mut entries = 0usize;
+    for (c, chain) in blocks.iter().enumerate() {
+        for r in work.holders_of(c) {
+            index
+                .apply_stored(workers[r], chain, None, &mut maps[r])
+                .expect("store");
+            entries += chain.len();
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let bytes = (live() - base) as f64;
+    let mut samples = Vec::with_capacity(LOOKUPS);
+    for c in lookup_order(work.chains.len(), LOOKUPS) {
+        let t = Instant::now();
+        let scores = black_box(index.find_matches(&requests[c], false));
+        samples.push(t.elapsed().as_nanos() as u64);
+        assert!(!scores.scores.is_empty());
+    }
+    samples.sort_unstable();
+    Row {
+        name: "kv-index 2.0.0 ChainIndex",
+        entries,
+        holders: work.holders,
+        bytes_per_entry: bytes / entries as f64,
+        ingest_per_sec: entries as f64 / elapsed,
+        p50_ns: percentile(&samples, 0.5),
+        p99_ns: percentile(&samples, 0.99),
+        p999_ns: percentile(&samples, 0.999),
+    }
+}
+
+fn sizes() -> Vec<(usize, usize)> {
+    let spec = std::env::var("TABLE_SIZES")
+        .unwrap_or_else(|_| "1000000:1,1000000:2,1000000:4,10000000:2".into());
+    spec.split(',')
+        .filter_map(|pair| {
+            let (e, h) = pair.split_once(':')?;
+            Some((e.trim().parse().ok()?, h.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list" || a == "--test") {
+        return;
+    }
+    println!(
+        "| index | entries | holders/block | bytes/entry | ingest entries/s | lookup p50 | lookup p99 | lookup p99.9 |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (entries, holders) in sizes() {
+        let work = Workload::new(entries, holders);
+        let mut rows = vec![ours(&work)];
+        // Both rows divide by the same count: distinct block-replica entries.
+        #[cfg(feature = "compare-kv-index")]
+        rows.push(kv_index(&work, rows[0].entries));
+        for r in &rows {
+            println!(
+                "| {} | {} | {} | {:.1} | {:.2}M | {:.2} µs | {:.2} µs | {:.2} µs |",
+                r.name,
+                r.entries,
+                r.holders,
+                r.bytes_per_entry,
+                r.ingest_per_sec / 1e6,
+                r.p50_ns as f64 / 1e3,
+                r.p99_ns as f64 / 1e3,
+                r.p999_ns as f64 / 1e3,
+            );
+        }
+        if rows.len() == 2 {
+            let (a, b) = (&rows[0], &rows[1]);
+            println!(
+                "| ratio ours / kv-index | | | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
+                a.bytes_per_entry / b.bytes_per_entry,
+                a.ingest_per_sec / b.ingest_per_sec,
+                a.p50_ns as f64 / b.p50_ns as f64,
+                a.p99_ns as f64 / b.p99_ns as f64,
+                a.p999_ns as f64 / b.p999_ns as f64,
+            );
+        }
+    }
+}
