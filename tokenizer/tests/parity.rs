@@ -10,9 +10,10 @@
 use inference_cache_tokenizer::{ChatMessage, TokenizerRegistry};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::OnceLock;
 
-const MODELS: [&str; 2] = ["qwen3", "llama3"];
+const MODELS: [&str; 3] = ["qwen3", "llama3", "deepseek_v3"];
 
 fn manifest_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -33,8 +34,8 @@ fn registry() -> &'static TokenizerRegistry {
             let file = dir.join(model).join("tokenizer.json");
             assert!(
                 file.is_file(),
-                "missing {}: run scripts/setup-tokenizers.sh (it fetches the Qwen3 and Llama-3 \
-                 tokenizer files into .cache/tokenizers/), or set INFERENCE_CACHE_TOKENIZERS_DIR",
+                "missing {}: run scripts/setup-tokenizers.sh (it fetches the Qwen3, Llama-3 and \
+                 DeepSeek-V3 tokenizer files into .cache/tokenizers/), or set INFERENCE_CACHE_TOKENIZERS_DIR",
                 file.display()
             );
         }
@@ -141,6 +142,11 @@ fn llama3_matches_transformers() {
 }
 
 #[test]
+fn deepseek_v3_matches_transformers() {
+    check_model("deepseek_v3");
+}
+
+#[test]
 fn fixture_covers_the_required_shapes() {
     let cases = fixture()["cases"].as_array().expect("cases");
     let chat = cases.iter().filter(|c| c["kind"] != "raw_prompt").count();
@@ -153,4 +159,28 @@ fn fixture_covers_the_required_shapes() {
             "{model}: the long case must be about 8k tokens"
         );
     }
+}
+
+/// The committed fixture is exactly what the Python generator produces from the
+/// fetched tokenizer files (so a changed case list cannot go unregenerated).
+#[test]
+fn fixture_matches_python_generator() {
+    let python = manifest_dir().join("../.cache/venv/bin/python");
+    assert!(
+        python.is_file(),
+        "missing {}: run scripts/setup-tokenizers.sh (it creates the venv with transformers)",
+        python.display()
+    );
+    let output = Command::new(&python)
+        .arg(manifest_dir().join("parity/generate_fixtures.py"))
+        .arg("--check")
+        .env("INFERENCE_CACHE_TOKENIZERS_DIR", tokenizers_dir())
+        .output()
+        .expect("python runs");
+    assert!(
+        output.status.success(),
+        "parity/expected_ids.json differs from what transformers produces:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -12,7 +12,8 @@ const TINY_TOKENIZER: &str = r#"{
   "padding": null,
   "added_tokens": [
     {"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
-    {"id": 1, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+    {"id": 1, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+    {"id": 9, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
   ],
   "normalizer": null,
   "pre_tokenizer": {"type": "Whitespace"},
@@ -25,7 +26,7 @@ const TINY_TOKENIZER: &str = r#"{
   "decoder": null,
   "model": {
     "type": "WordLevel",
-    "vocab": {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "user": 4, "assistant": 5, ":": 6, "system": 7, "|": 8},
+    "vocab": {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "user": 4, "assistant": 5, ":": 6, "system": 7, "|": 8, "</s>": 9},
     "unk_token": "<unk>"
   }
 }"#;
@@ -250,4 +251,99 @@ fn registry_is_shareable() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<TokenizerRegistry>();
     assert_send_sync::<Arc<TokenizerRegistry>>();
+}
+
+#[test]
+fn bos_eos_flags_of_llama_style_classes() {
+    let models = Models::new();
+    let config = |extra: serde_json::Value| {
+        let mut config = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"});
+        if let (Some(base), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+            base.extend(extra.clone());
+        }
+        config.to_string()
+    };
+    models.add(
+        "llama-both",
+        &[
+            ("tokenizer.json", TINY_TOKENIZER),
+            (
+                "tokenizer_config.json",
+                &config(serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "add_eos_token": true})),
+            ),
+        ],
+    );
+    models.add(
+        "llama-none",
+        &[
+            ("tokenizer.json", TINY_TOKENIZER),
+            (
+                "tokenizer_config.json",
+                &config(serde_json::json!({"tokenizer_class": "LlamaTokenizer", "add_bos_token": false})),
+            ),
+        ],
+    );
+    models.add(
+        "neox-default",
+        &[
+            ("tokenizer.json", TINY_TOKENIZER),
+            (
+                "tokenizer_config.json",
+                &config(serde_json::json!({"tokenizer_class": "GPTNeoXTokenizerFast"})),
+            ),
+        ],
+    );
+    models.add(
+        "other-class",
+        &[
+            ("tokenizer.json", TINY_TOKENIZER),
+            (
+                "tokenizer_config.json",
+                &config(serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": false})),
+            ),
+        ],
+    );
+    models.add(
+        "llama-no-bos",
+        &[
+            ("tokenizer.json", TINY_TOKENIZER),
+            (
+                "tokenizer_config.json",
+                r#"{"tokenizer_class": "LlamaTokenizerFast", "bos_token": null}"#,
+            ),
+        ],
+    );
+    let (registry, failures) = models.load();
+    assert_eq!(
+        registry
+            .encode_raw_prompt("llama-both", "hello")
+            .expect("raw"),
+        vec![0, 2, 9]
+    );
+    assert_eq!(
+        registry
+            .encode_raw_prompt("llama-none", "hello")
+            .expect("raw"),
+        vec![2]
+    );
+    assert_eq!(
+        registry
+            .encode_raw_prompt("neox-default", "hello")
+            .expect("raw"),
+        vec![2]
+    );
+    // Classes without the rebuild keep tokenizer.json's post-processor (BOS here).
+    assert_eq!(
+        registry
+            .encode_raw_prompt("other-class", "hello")
+            .expect("raw"),
+        vec![0, 2]
+    );
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].model, "llama-no-bos");
+    assert!(
+        failures[0].kind.to_string().contains("bos_token"),
+        "{}",
+        failures[0]
+    );
 }
