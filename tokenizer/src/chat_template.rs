@@ -58,8 +58,11 @@ impl ChatTemplate {
                 .lstrip_blocks(true)
                 .build()?,
         );
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
         env.add_filter("tojson", tojson);
+        env.add_filter("trim", |value: &str, chars: Option<&str>| {
+            py_strip(value, chars, true, true).to_owned()
+        });
         env.add_filter(ITERABLE_FILTER, require_iterable);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", move |format: &str| {
@@ -86,6 +89,64 @@ impl ChatTemplate {
             tools => Value::from(()),
             documents => Value::from(()),
         })
+    }
+}
+
+/// Python `str` / `dict` / `list` methods: minijinja-contrib's pycompat set,
+/// with `strip` / `lstrip` / `rstrip` using Python's notion of whitespace.
+fn python_methods(
+    state: &mut minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    let (left, right) = match method {
+        "strip" => (true, true),
+        "lstrip" => (true, false),
+        "rstrip" => (false, true),
+        _ => {
+            return minijinja_contrib::pycompat::unknown_method_callback(
+                state, value, method, args,
+            );
+        }
+    };
+    match (value.as_str(), args) {
+        (Some(text), []) => Ok(Value::from(py_strip(text, None, left, right))),
+        (Some(text), [chars]) if chars.is_none() => {
+            Ok(Value::from(py_strip(text, None, left, right)))
+        }
+        (Some(text), [chars]) => match chars.as_str() {
+            Some(chars) => Ok(Value::from(py_strip(text, Some(chars), left, right))),
+            None => Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("{method} arg must be None or str"),
+            )),
+        },
+        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+    }
+}
+
+/// Python's `str.isspace` for one character: Unicode White_Space plus the
+/// ASCII separators U+001C..U+001F.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.strip(chars)` (or `lstrip` / `rstrip`).
+fn py_strip<'a>(text: &'a str, chars: Option<&str>, left: bool, right: bool) -> &'a str {
+    let matches = |c: char| match chars {
+        Some(set) => set.contains(c),
+        None => is_python_space(c),
+    };
+    let text = if left {
+        text.trim_start_matches(matches)
+    } else {
+        text
+    };
+    if right {
+        text.trim_end_matches(matches)
+    } else {
+        text
     }
 }
 
@@ -416,6 +477,22 @@ mod tests {
                 .render(messages(serde_json::json!([])), true)
                 .expect("renders"),
             "ok"
+        );
+    }
+
+    #[test]
+    fn python_printing_and_whitespace() {
+        let template = compile(concat!(
+            "{{ {'a': 1, 'b': [true, none, 'x', 1.5]} }}|{{ none }}|{{ false }}|",
+            "{{ '\\x1c hi \\x1f'.strip() | length }}|{{ '\\x1c ho \\x1f' | trim | length }}|",
+            "{{ 'xxhixx'.strip('x') }}|{{ '  a '.lstrip() }}.|{{ 'a b'.split(' ') }}"
+        ));
+        let out = template
+            .render(messages(serde_json::json!([])), false)
+            .expect("renders");
+        assert_eq!(
+            out,
+            "{'a': 1, 'b': [True, None, 'x', 1.5]}|None|False|2|2|hi|a .|['a', 'b']"
         );
     }
 
