@@ -1,0 +1,207 @@
+//! The proxy-wasm 0.2.5 (ABI 0.2.1) adapter: SDK callbacks in, [`RequestFlow`] out.
+//!
+//! The root context parses the plugin configuration in `on_configure` and
+//! returns `false` on error (Envoy then refuses the plugin), after logging the
+//! field at fault. It defines every counter once and hands each HTTP context
+//! an `Rc` of the settings and metric ids. Each HTTP context implements
+//! [`Host`] with proxy-wasm host calls; header values are read as bytes so
+//! non-UTF-8 request data can never panic. Nothing here decides anything.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{self, BufferType, ContextType, MapType, MetricType};
+
+use crate::{Action, DispatchError, Host, LogLevel, RequestFlow, Settings, all_metrics};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(FilterRoot::default()) });
+}}
+
+type MetricIds = Rc<RefCell<HashMap<&'static str, u32>>>;
+
+#[derive(Default)]
+struct FilterRoot {
+    settings: Option<Rc<Settings>>,
+    metrics: MetricIds,
+}
+
+impl Context for FilterRoot {}
+
+impl RootContext for FilterRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = self.get_plugin_configuration().unwrap_or_default();
+        match Settings::from_json(&bytes) {
+            Ok(settings) => {
+                let mut ids = self.metrics.borrow_mut();
+                for name in all_metrics() {
+                    if let Ok(id) = hostcalls::define_metric(MetricType::Counter, name) {
+                        ids.insert(name, id);
+                    }
+                }
+                log(
+                    LogLevel::Info,
+                    &format!(
+                        "inference-cache filter configured: cluster `{}`, timeout {} ms",
+                        settings.grpc_cluster,
+                        settings.timeout.as_millis()
+                    ),
+                );
+                self.settings = Some(Rc::new(settings));
+                true
+            }
+            Err(error) => {
+                let _ = hostcalls::log(
+                    types::LogLevel::Error,
+                    &format!("inference-cache filter: {error}"),
+                );
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let settings = self.settings.clone()?;
+        Some(Box::new(FilterStream {
+            flow: RequestFlow::new(settings),
+            host: EnvoyHost {
+                metrics: self.metrics.clone(),
+            },
+            body_size: 0,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct FilterStream {
+    flow: RequestFlow,
+    host: EnvoyHost,
+    body_size: usize,
+}
+
+impl Context for FilterStream {
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        self.flow
+            .on_lookup_response(&mut self.host, token_id, status_code, response_size);
+    }
+}
+
+impl HttpContext for FilterStream {
+    fn on_http_request_headers(
+        &mut self,
+        _num_headers: usize,
+        end_of_stream: bool,
+    ) -> types::Action {
+        sdk_action(self.flow.on_request_headers(&mut self.host, end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
+        self.body_size = body_size;
+        sdk_action(
+            self.flow
+                .on_request_body(&mut self.host, body_size, end_of_stream),
+        )
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        sdk_action(
+            self.flow
+                .on_request_trailers(&mut self.host, self.body_size),
+        )
+    }
+
+    fn on_http_response_headers(
+        &mut self,
+        _num_headers: usize,
+        _end_of_stream: bool,
+    ) -> types::Action {
+        sdk_action(self.flow.on_response_headers(&mut self.host))
+    }
+}
+
+fn sdk_action(action: Action) -> types::Action {
+    match action {
+        Action::Continue => types::Action::Continue,
+        Action::Pause => types::Action::Pause,
+    }
+}
+
+fn log(level: LogLevel, message: &str) {
+    let level = match level {
+        LogLevel::Debug => types::LogLevel::Debug,
+        LogLevel::Info => types::LogLevel::Info,
+        LogLevel::Warn => types::LogLevel::Warn,
+    };
+    let _ = hostcalls::log(level, message);
+}
+
+/// [`Host`] over proxy-wasm host calls, for the current HTTP context.
+struct EnvoyHost {
+    metrics: MetricIds,
+}
+
+impl Host for EnvoyHost {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn set_request_header(&mut self, name: &str, value: &str) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    }
+
+    fn remove_request_header(&mut self, name: &str) {
+        let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn dispatch_grpc(
+        &mut self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        message: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, DispatchError> {
+        hostcalls::dispatch_grpc_call(cluster, service, method, Vec::new(), Some(message), timeout)
+            .map_err(|_| DispatchError)
+    }
+
+    fn grpc_response_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn resume_request(&mut self) {
+        let _ = hostcalls::resume_http_request();
+    }
+
+    fn add_response_header(&mut self, name: &str, value: &str) {
+        let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    }
+
+    fn increment_counter(&mut self, name: &'static str) {
+        let id = self.metrics.borrow().get(name).copied();
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    fn log(&self, level: LogLevel, message: &str) {
+        log(level, message);
+    }
+}

@@ -1,0 +1,475 @@
+//! Plugin configuration: the JSON an operator writes, validated once into [`Settings`].
+//!
+//! Parsing walks the JSON object field by field so every error names the
+//! offending field (`timeout_ms: must be between 1 and 60000`); unknown fields
+//! are errors too, so a typo never silently falls back to a default. The
+//! adapter calls [`Settings::from_json`] in `on_configure` and refuses to start
+//! the plugin on error. Runs once per configuration, never per request.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use inference_cache_proto::reason;
+use serde_json::{Map, Value};
+
+/// Default `timeout_ms`: the LookupRoute budget per request.
+pub const DEFAULT_TIMEOUT_MS: u64 = 20;
+/// Default `destination_header`, the Gateway API Inference Extension convention.
+pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Default `reason_header`, added to every response of an inference request.
+pub const DEFAULT_REASON_HEADER: &str = "x-inferencecache-reason";
+/// Default `hash_scheme` sent with every lookup.
+pub const DEFAULT_HASH_SCHEME: &str = "vllm";
+/// Default `block_size` (tokens per KV block) for token-id prompts.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Default `max_body_bytes`: Envoy's default per-connection buffer limit.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default `routable_reasons`.
+pub const DEFAULT_ROUTABLE_REASONS: [&str; 3] = [
+    reason::PREFIX_MATCH,
+    reason::TENANT_HOT,
+    reason::AFFINITY_HINT,
+];
+
+const MAX_TIMEOUT_MS: u64 = 60_000;
+const MAX_BLOCK_SIZE: u64 = 4096;
+const MAX_BODY_LIMIT: u64 = 256 << 20;
+
+/// A configuration the filter cannot run with; names the field and the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid plugin configuration: `{field}`: {reason}")]
+pub struct ConfigError {
+    /// Dotted path of the offending field (`models.llama.adapter_id`), or `<root>`.
+    pub field: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The engine-facing identity an OpenAI `model` name maps to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelTarget {
+    /// `LookupRouteRequest.model_id`.
+    pub model_id: String,
+    /// `LookupRouteRequest.adapter_id` (LoRA adapter); empty for the base model.
+    pub adapter_id: String,
+}
+
+/// Validated filter settings, shared read-only by every request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Envoy cluster serving the `InferenceCache` gRPC service.
+    pub grpc_cluster: String,
+    /// LookupRoute budget; Envoy cancels the call after it.
+    pub timeout: Duration,
+    /// Request header carrying the tenant id (lower-case), if any.
+    pub tenant_header: Option<String>,
+    /// Fixed tenant id, or the fallback when `tenant_header` is absent from a request.
+    pub tenant_id: String,
+    /// `LookupRouteRequest.hash_scheme`.
+    pub hash_scheme: String,
+    /// Tokens per KV block, for fingerprinting token-id prompts.
+    pub block_size: usize,
+    /// Header the `ORIGINAL_DST` cluster routes on (lower-case).
+    pub destination_header: String,
+    /// Header added to responses with the outcome; `None` disables it.
+    pub reason_header: Option<String>,
+    /// Replica id → `ip:port`.
+    pub replica_endpoints: HashMap<String, String>,
+    /// Replica ids not in `replica_endpoints` are used as the endpoint when they are `ip:port`.
+    pub replica_id_is_endpoint: bool,
+    /// OpenAI `model` name → (model_id, adapter_id); unmapped names are sent as they are.
+    pub models: HashMap<String, ModelTarget>,
+    /// Reason codes whose top replica is routed to.
+    pub routable_reasons: HashSet<String>,
+    /// Bodies larger than this are not buffered; the request continues untouched.
+    pub max_body_bytes: usize,
+}
+
+impl Settings {
+    /// A configuration with every default and the given gRPC cluster.
+    pub fn with_cluster(grpc_cluster: &str) -> Self {
+        Self {
+            grpc_cluster: grpc_cluster.to_owned(),
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            tenant_header: None,
+            tenant_id: String::new(),
+            hash_scheme: DEFAULT_HASH_SCHEME.to_owned(),
+            block_size: DEFAULT_BLOCK_SIZE,
+            destination_header: DEFAULT_DESTINATION_HEADER.to_owned(),
+            reason_header: Some(DEFAULT_REASON_HEADER.to_owned()),
+            replica_endpoints: HashMap::new(),
+            replica_id_is_endpoint: false,
+            models: HashMap::new(),
+            routable_reasons: DEFAULT_ROUTABLE_REASONS
+                .iter()
+                .map(|code| (*code).to_owned())
+                .collect(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+
+    /// Parses and validates the plugin configuration JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|error| ConfigError::new("<root>", format!("not valid JSON: {error}")))?;
+        let Value::Object(object) = value else {
+            return Err(ConfigError::new("<root>", "must be a JSON object"));
+        };
+        let Some(cluster) = object.get("grpc_cluster") else {
+            return Err(ConfigError::new("grpc_cluster", "is required"));
+        };
+        let cluster = non_empty_string("grpc_cluster", cluster)?;
+        let mut settings = Self::with_cluster(&cluster);
+        for (key, value) in &object {
+            settings.apply(key, value)?;
+        }
+        if settings.replica_endpoints.is_empty() && !settings.replica_id_is_endpoint {
+            return Err(ConfigError::new(
+                "replica_endpoints",
+                "is empty and `replica_id_is_endpoint` is false, so no hint could ever be routed",
+            ));
+        }
+        if settings.tenant_header.as_deref() == Some(settings.destination_header.as_str()) {
+            return Err(ConfigError::new(
+                "tenant_header",
+                "must differ from `destination_header`",
+            ));
+        }
+        Ok(settings)
+    }
+
+    fn apply(&mut self, key: &str, value: &Value) -> Result<(), ConfigError> {
+        match key {
+            "grpc_cluster" => {}
+            "timeout_ms" => {
+                let millis = integer_in(key, value, 1, MAX_TIMEOUT_MS)?;
+                self.timeout = Duration::from_millis(millis);
+            }
+            "tenant_header" => self.tenant_header = Some(header_name(key, value)?),
+            "tenant_id" => self.tenant_id = string(key, value)?,
+            "hash_scheme" => self.hash_scheme = non_empty_string(key, value)?,
+            "block_size" => {
+                let size = integer_in(key, value, 1, MAX_BLOCK_SIZE)?;
+                self.block_size = usize::try_from(size)
+                    .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
+            }
+            "destination_header" => self.destination_header = header_name(key, value)?,
+            "reason_header" => {
+                let name = string(key, value)?;
+                self.reason_header = if name.is_empty() {
+                    None
+                } else {
+                    Some(header_name(key, value)?)
+                };
+            }
+            "replica_endpoints" => self.replica_endpoints = endpoints(key, value)?,
+            "replica_id_is_endpoint" => {
+                self.replica_id_is_endpoint = value
+                    .as_bool()
+                    .ok_or_else(|| ConfigError::new(key, "must be true or false"))?;
+            }
+            "models" => self.models = models(key, value)?,
+            "routable_reasons" => self.routable_reasons = reasons(key, value)?,
+            "max_body_bytes" => {
+                let size = integer_in(key, value, 1, MAX_BODY_LIMIT)?;
+                self.max_body_bytes = usize::try_from(size)
+                    .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
+            }
+            other => {
+                return Err(ConfigError::new(other, "unknown field"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The (model_id, adapter_id) to look up for an OpenAI `model` name.
+    pub fn model_target(&self, model: &str) -> ModelTarget {
+        self.models
+            .get(model)
+            .cloned()
+            .unwrap_or_else(|| ModelTarget {
+                model_id: model.to_owned(),
+                adapter_id: String::new(),
+            })
+    }
+
+    /// The `ip:port` to route a replica id to, if it has one.
+    pub fn endpoint_of(&self, replica_id: &str) -> Option<String> {
+        if let Some(endpoint) = self.replica_endpoints.get(replica_id) {
+            return Some(endpoint.clone());
+        }
+        if self.replica_id_is_endpoint && replica_id.parse::<SocketAddr>().is_ok() {
+            return Some(replica_id.to_owned());
+        }
+        None
+    }
+}
+
+fn string(field: &str, value: &Value) -> Result<String, ConfigError> {
+    value
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| ConfigError::new(field, "must be a string"))
+}
+
+fn non_empty_string(field: &str, value: &Value) -> Result<String, ConfigError> {
+    let text = string(field, value)?;
+    if text.trim().is_empty() {
+        return Err(ConfigError::new(field, "must not be empty"));
+    }
+    Ok(text)
+}
+
+fn integer_in(field: &str, value: &Value, min: u64, max: u64) -> Result<u64, ConfigError> {
+    match value.as_u64() {
+        Some(number) if (min..=max).contains(&number) => Ok(number),
+        _ => Err(ConfigError::new(
+            field,
+            format!("must be an integer between {min} and {max}"),
+        )),
+    }
+}
+
+fn header_name(field: &str, value: &Value) -> Result<String, ConfigError> {
+    let name = non_empty_string(field, value)?.to_ascii_lowercase();
+    let valid = name
+        .bytes()
+        .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_');
+    if !valid {
+        return Err(ConfigError::new(
+            field,
+            "must be an HTTP header name (letters, digits, '-', '_')",
+        ));
+    }
+    Ok(name)
+}
+
+fn object<'a>(field: &str, value: &'a Value) -> Result<&'a Map<String, Value>, ConfigError> {
+    value
+        .as_object()
+        .ok_or_else(|| ConfigError::new(field, "must be a JSON object"))
+}
+
+fn endpoints(field: &str, value: &Value) -> Result<HashMap<String, String>, ConfigError> {
+    let mut map = HashMap::new();
+    for (replica, endpoint) in object(field, value)? {
+        let path = format!("{field}.{replica}");
+        let endpoint = string(&path, endpoint)?;
+        if endpoint.parse::<SocketAddr>().is_err() {
+            return Err(ConfigError::new(
+                path,
+                "must be a literal ip:port (an ORIGINAL_DST cluster does not resolve names)",
+            ));
+        }
+        map.insert(replica.clone(), endpoint);
+    }
+    Ok(map)
+}
+
+fn models(field: &str, value: &Value) -> Result<HashMap<String, ModelTarget>, ConfigError> {
+    let mut map = HashMap::new();
+    for (name, target) in object(field, value)? {
+        let path = format!("{field}.{name}");
+        let target = match target {
+            Value::String(model_id) if !model_id.is_empty() => ModelTarget {
+                model_id: model_id.clone(),
+                adapter_id: String::new(),
+            },
+            Value::Object(fields) => {
+                let mut target = ModelTarget {
+                    model_id: name.clone(),
+                    adapter_id: String::new(),
+                };
+                for (key, value) in fields {
+                    let path = format!("{path}.{key}");
+                    match key.as_str() {
+                        "model_id" => target.model_id = non_empty_string(&path, value)?,
+                        "adapter_id" => target.adapter_id = string(&path, value)?,
+                        _ => return Err(ConfigError::new(path, "unknown field")),
+                    }
+                }
+                target
+            }
+            _ => {
+                return Err(ConfigError::new(
+                    path,
+                    "must be a model id string or {\"model_id\", \"adapter_id\"}",
+                ));
+            }
+        };
+        map.insert(name.clone(), target);
+    }
+    Ok(map)
+}
+
+fn reasons(field: &str, value: &Value) -> Result<HashSet<String>, ConfigError> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| ConfigError::new(field, "must be an array of reason codes"))?;
+    let mut set = HashSet::new();
+    for (index, item) in items.iter().enumerate() {
+        set.insert(non_empty_string(&format!("{field}[{index}]"), item)?);
+    }
+    Ok(set)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<Settings, ConfigError> {
+        Settings::from_json(json.as_bytes())
+    }
+
+    fn field_of(json: &str) -> String {
+        match parse(json) {
+            Ok(settings) => panic!("accepted: {settings:?}"),
+            Err(error) => error.field,
+        }
+    }
+
+    #[test]
+    fn minimal_config_takes_every_default() {
+        let settings =
+            parse(r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true}"#).expect("valid config");
+        assert_eq!(settings.grpc_cluster, "ic");
+        assert_eq!(settings.timeout, Duration::from_millis(20));
+        assert_eq!(settings.hash_scheme, "vllm");
+        assert_eq!(settings.block_size, 16);
+        assert_eq!(settings.destination_header, DEFAULT_DESTINATION_HEADER);
+        assert_eq!(
+            settings.reason_header.as_deref(),
+            Some(DEFAULT_REASON_HEADER)
+        );
+        assert_eq!(settings.max_body_bytes, 1 << 20);
+        assert_eq!(settings.routable_reasons.len(), 3);
+        assert!(settings.routable_reasons.contains("AFFINITY_HINT"));
+        assert_eq!(settings.tenant_header, None);
+        assert_eq!(settings.tenant_id, "");
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let settings = parse(
+            r#"{
+                "grpc_cluster": "inference_cache",
+                "timeout_ms": 50,
+                "tenant_header": "X-Tenant-Id",
+                "tenant_id": "default",
+                "hash_scheme": "sglang",
+                "block_size": 32,
+                "destination_header": "x-dest",
+                "reason_header": "",
+                "replica_endpoints": {"a": "10.0.0.1:8000", "b": "[::1]:9000"},
+                "models": {
+                    "llama-sql": {"model_id": "llama", "adapter_id": "sql-lora"},
+                    "alias": "qwen"
+                },
+                "routable_reasons": ["PREFIX_MATCH"],
+                "max_body_bytes": 4194304
+            }"#,
+        )
+        .expect("valid config");
+        assert_eq!(settings.tenant_header.as_deref(), Some("x-tenant-id"));
+        assert_eq!(settings.reason_header, None);
+        assert_eq!(settings.block_size, 32);
+        assert_eq!(settings.endpoint_of("b").as_deref(), Some("[::1]:9000"));
+        assert_eq!(settings.endpoint_of("10.0.0.9:1"), None);
+        assert_eq!(
+            settings.model_target("llama-sql"),
+            ModelTarget {
+                model_id: "llama".into(),
+                adapter_id: "sql-lora".into()
+            }
+        );
+        assert_eq!(settings.model_target("alias").model_id, "qwen");
+        assert_eq!(settings.model_target("other").model_id, "other");
+        assert_eq!(settings.routable_reasons.len(), 1);
+    }
+
+    #[test]
+    fn replica_id_as_endpoint_needs_ip_and_port() {
+        let settings =
+            parse(r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true}"#).expect("valid config");
+        assert_eq!(
+            settings.endpoint_of("127.0.0.1:8001").as_deref(),
+            Some("127.0.0.1:8001")
+        );
+        assert_eq!(settings.endpoint_of("replica-a"), None);
+        assert_eq!(settings.endpoint_of("localhost:8000"), None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(field_of("[]"), "<root>");
+        assert_eq!(field_of("{"), "<root>");
+        assert_eq!(
+            field_of(r#"{"replica_id_is_endpoint":true}"#),
+            "grpc_cluster"
+        );
+        assert_eq!(field_of(r#"{"grpc_cluster":""}"#), "grpc_cluster");
+        let base = r#""grpc_cluster":"ic","replica_id_is_endpoint":true"#;
+        for (extra, field) in [
+            (r#""timeout_ms":0"#, "timeout_ms"),
+            (r#""timeout_ms":"20""#, "timeout_ms"),
+            (r#""timeout_ms":-5"#, "timeout_ms"),
+            (r#""block_size":0"#, "block_size"),
+            (r#""hash_scheme":"""#, "hash_scheme"),
+            (r#""destination_header":"bad header""#, "destination_header"),
+            (r#""tenant_header":7"#, "tenant_header"),
+            (
+                r#""replica_endpoints":{"a":"host:80"}"#,
+                "replica_endpoints.a",
+            ),
+            (r#""replica_endpoints":[]"#, "replica_endpoints"),
+            (r#""models":{"m":{"model":"x"}}"#, "models.m.model"),
+            (r#""models":{"m":3}"#, "models.m"),
+            (
+                r#""routable_reasons":["PREFIX_MATCH",""]"#,
+                "routable_reasons[1]",
+            ),
+            (r#""max_body_bytes":0"#, "max_body_bytes"),
+            (
+                r#""replica_id_is_endpoint":"yes""#,
+                "replica_id_is_endpoint",
+            ),
+            (r#""timeout":20"#, "timeout"),
+        ] {
+            assert_eq!(field_of(&format!("{{{base},{extra}}}")), field, "{extra}");
+        }
+    }
+
+    #[test]
+    fn a_config_that_can_never_route_is_rejected() {
+        assert_eq!(field_of(r#"{"grpc_cluster":"ic"}"#), "replica_endpoints");
+        assert_eq!(
+            field_of(
+                r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true,
+                    "tenant_header":"x-gateway-destination-endpoint"}"#
+            ),
+            "tenant_header"
+        );
+    }
+
+    #[test]
+    fn error_message_names_field_and_reason() {
+        let error = parse(r#"{"grpc_cluster":"ic","timeout_ms":0}"#).err();
+        assert_eq!(
+            error.map(|error| error.to_string()),
+            Some(
+                "invalid plugin configuration: `timeout_ms`: must be an integer between 1 and 60000"
+                    .to_owned()
+            )
+        );
+    }
+}

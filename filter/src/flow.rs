@@ -1,0 +1,302 @@
+//! The per-request state machine, written against a [`Host`] trait instead of proxy-wasm.
+//!
+//! ```text
+//! headers ──(not an inference POST)──────────────────────────────▶ Continue
+//!    │ strip client destination header; Content-Length check
+//!    ▼
+//! awaiting body ──(too large / bad JSON / unsupported)──────────▶ Continue
+//!    │ end of stream: parse, build LookupRouteRequest, dispatch
+//!    ▼
+//! awaiting lookup ──(gRPC status ≠ 0, decode error, no endpoint)─▶ resume untouched
+//!    │ routable reason → set destination header
+//!    ▼
+//! resume ──▶ response headers: add the reason header
+//! ```
+//!
+//! The adapter maps [`Action`] onto proxy-wasm's and forwards callbacks; the
+//! same code runs under a fake host in unit tests. One flow per request, no
+//! shared mutable state; [`Settings`] is shared read-only through an `Rc`.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use inference_cache_proto::v1alpha1::LookupRouteResponse;
+use prost::Message;
+
+use crate::config::Settings;
+use crate::outcome::{
+    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, decide,
+    reason_metric,
+};
+use crate::request::{Api, BodyError, classify, lookup_request, parse_body};
+
+/// gRPC service of the lookup.
+pub const LOOKUP_SERVICE: &str = inference_cache_proto::SERVICE_NAME;
+/// gRPC method of the lookup.
+pub const LOOKUP_METHOD: &str = "LookupRoute";
+
+/// What the host should do with the stream after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Let the request (headers and any buffered body) proceed.
+    Continue,
+    /// Hold the request: buffer the body or wait for the lookup.
+    Pause,
+}
+
+/// Log severity, mapped onto the host's levels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// Per-request detail.
+    Debug,
+    /// Configuration and lifecycle.
+    Info,
+    /// Something an operator should look at.
+    Warn,
+}
+
+/// The host refused to start a gRPC call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the host refused the gRPC call")]
+pub struct DispatchError;
+
+/// The host operations one request needs (proxy-wasm in Envoy, a fake in tests).
+pub trait Host {
+    /// A request header's value (name lower-case), or `None` when absent.
+    fn request_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// Sets (replaces) a request header.
+    fn set_request_header(&mut self, name: &str, value: &str);
+    /// Removes every value of a request header.
+    fn remove_request_header(&mut self, name: &str);
+    /// The first `size` bytes of the buffered request body.
+    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Starts a unary gRPC call; returns its token.
+    fn dispatch_grpc(
+        &mut self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        message: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, DispatchError>;
+    /// The response message of the gRPC call being delivered.
+    fn grpc_response_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Resumes a request paused by a previous [`Action::Pause`].
+    fn resume_request(&mut self);
+    /// Adds a response header.
+    fn add_response_header(&mut self, name: &str, value: &str);
+    /// Adds one to a counter from [`crate::all_metrics`].
+    fn increment_counter(&mut self, name: &'static str);
+    /// Writes a log line.
+    fn log(&self, level: LogLevel, message: &str);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not an inference request, or already decided.
+    Idle,
+    /// Buffering the body of an inference request.
+    AwaitingBody(Api),
+    /// The lookup with this token is in flight.
+    AwaitingLookup(u32),
+}
+
+/// One request's path through the filter.
+#[derive(Debug)]
+pub struct RequestFlow {
+    settings: Rc<Settings>,
+    state: State,
+    outcome: Option<Outcome>,
+}
+
+impl RequestFlow {
+    /// A fresh flow for a new request.
+    pub fn new(settings: Rc<Settings>) -> Self {
+        Self {
+            settings,
+            state: State::Idle,
+            outcome: None,
+        }
+    }
+
+    /// How the request ended, once it has.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.outcome.as_ref()
+    }
+
+    /// Request headers arrived.
+    pub fn on_request_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Action {
+        let destination = self.settings.destination_header.as_str();
+        if host.request_header(destination).is_some() {
+            host.remove_request_header(destination);
+            host.increment_counter(SPOOFED_DESTINATION_METRIC);
+        }
+        let method = header_string(host, ":method");
+        let path = header_string(host, ":path");
+        let Some(api) = classify(&method, &path) else {
+            return Action::Continue;
+        };
+        if end_of_stream {
+            self.fail(host, FailureKind::InvalidJson);
+            return Action::Continue;
+        }
+        let declared_length = header_string(host, "content-length").trim().parse::<u64>();
+        if let Ok(length) = declared_length
+            && length > self.settings.max_body_bytes as u64
+        {
+            self.fail(host, FailureKind::BodyTooLarge);
+            return Action::Continue;
+        }
+        self.state = State::AwaitingBody(api);
+        Action::Pause
+    }
+
+    /// A chunk of request body arrived; `body_size` is the total buffered so far.
+    pub fn on_request_body(
+        &mut self,
+        host: &mut dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let State::AwaitingBody(api) = self.state else {
+            return Action::Continue;
+        };
+        if body_size > self.settings.max_body_bytes {
+            self.fail(host, FailureKind::BodyTooLarge);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.start_lookup(host, api, body_size)
+    }
+
+    /// Request trailers arrived: the body is complete.
+    pub fn on_request_trailers(&mut self, host: &mut dyn Host, body_size: usize) -> Action {
+        let State::AwaitingBody(api) = self.state else {
+            return Action::Continue;
+        };
+        self.start_lookup(host, api, body_size)
+    }
+
+    fn start_lookup(&mut self, host: &mut dyn Host, api: Api, body_size: usize) -> Action {
+        let body = host.request_body(body_size).unwrap_or_default();
+        let tenant = self.tenant(host);
+        let request = match parse_body(api, &body)
+            .and_then(|parsed| lookup_request(&self.settings, &tenant, parsed))
+        {
+            Ok(request) => request,
+            Err(error) => {
+                self.fail(host, failure_of(error));
+                return Action::Continue;
+            }
+        };
+        let message = request.encode_to_vec();
+        match host.dispatch_grpc(
+            &self.settings.grpc_cluster,
+            LOOKUP_SERVICE,
+            LOOKUP_METHOD,
+            &message,
+            self.settings.timeout,
+        ) {
+            Ok(token) => {
+                host.increment_counter(LOOKUPS_METRIC);
+                self.state = State::AwaitingLookup(token);
+                Action::Pause
+            }
+            Err(DispatchError) => {
+                host.log(
+                    LogLevel::Warn,
+                    &format!(
+                        "LookupRoute dispatch to cluster `{}` failed; routing normally",
+                        self.settings.grpc_cluster
+                    ),
+                );
+                self.fail(host, FailureKind::DispatchFailed);
+                Action::Continue
+            }
+        }
+    }
+
+    /// The lookup finished: `status` is the gRPC status (0 = OK, the message is `response_size` bytes).
+    pub fn on_lookup_response(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        status: u32,
+        response_size: usize,
+    ) {
+        if self.state != State::AwaitingLookup(token) {
+            return;
+        }
+        self.state = State::Idle;
+        let outcome = if status != 0 {
+            host.log(
+                LogLevel::Debug,
+                &format!("LookupRoute ended with gRPC status {status}; routing normally"),
+            );
+            Outcome::Failed(FailureKind::GrpcError)
+        } else {
+            let body = host.grpc_response_body(response_size).unwrap_or_default();
+            match LookupRouteResponse::decode(body.as_slice()) {
+                Ok(response) => {
+                    host.increment_counter(reason_metric(&response.reason_code));
+                    decide(&self.settings, &response)
+                }
+                Err(_) => Outcome::Failed(FailureKind::DecodeError),
+            }
+        };
+        match &outcome {
+            Outcome::Routed { endpoint, .. } => {
+                host.set_request_header(&self.settings.destination_header, endpoint);
+                host.increment_counter(ROUTED_METRIC);
+            }
+            Outcome::Failed(kind) => host.increment_counter(kind.metric()),
+            Outcome::NotRouted { .. } => {}
+        }
+        self.outcome = Some(outcome);
+        host.resume_request();
+    }
+
+    /// Response headers arrived: report the outcome of an inference request.
+    pub fn on_response_headers(&mut self, host: &mut dyn Host) -> Action {
+        if let (Some(name), Some(outcome)) = (&self.settings.reason_header, &self.outcome) {
+            host.add_response_header(name, outcome.header_value());
+        }
+        Action::Continue
+    }
+
+    fn fail(&mut self, host: &mut dyn Host, kind: FailureKind) {
+        host.increment_counter(kind.metric());
+        self.state = State::Idle;
+        self.outcome = Some(Outcome::Failed(kind));
+    }
+
+    fn tenant(&self, host: &dyn Host) -> String {
+        if let Some(name) = &self.settings.tenant_header
+            && let Some(value) = host.request_header(name)
+            && !value.is_empty()
+        {
+            return String::from_utf8_lossy(&value).into_owned();
+        }
+        self.settings.tenant_id.clone()
+    }
+}
+
+fn header_string(host: &dyn Host, name: &str) -> String {
+    host.request_header(name)
+        .map(|value| String::from_utf8_lossy(&value).into_owned())
+        .unwrap_or_default()
+}
+
+fn failure_of(error: BodyError) -> FailureKind {
+    match error {
+        BodyError::InvalidJson => FailureKind::InvalidJson,
+        BodyError::MissingModel => FailureKind::MissingModel,
+        BodyError::UnsupportedPrompt => FailureKind::UnsupportedPrompt,
+        BodyError::PromptTooShort => FailureKind::PromptTooShort,
+    }
+}
+
+#[cfg(test)]
+mod tests;

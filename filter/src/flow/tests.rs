@@ -1,0 +1,368 @@
+//! Unit tests of the request flow against a fake host.
+
+use std::collections::HashMap;
+
+use inference_cache_proto::v1alpha1::{LookupRouteRequest, ReplicaScore};
+
+use super::*;
+
+#[derive(Default)]
+struct FakeHost {
+    request_headers: Vec<(String, String)>,
+    response_headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    calls: Vec<(String, String, String, Vec<u8>, Duration)>,
+    refuse_dispatch: bool,
+    grpc_body: Vec<u8>,
+    resumed: u32,
+    counters: HashMap<&'static str, u64>,
+    logs: std::cell::RefCell<Vec<String>>,
+}
+
+impl FakeHost {
+    fn request(method: &str, path: &str, body: &[u8]) -> Self {
+        Self {
+            request_headers: vec![
+                (":method".into(), method.into()),
+                (":path".into(), path.into()),
+                ("content-length".into(), body.len().to_string()),
+            ],
+            body: body.to_vec(),
+            ..Self::default()
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.request_headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.counters.get(name).copied().unwrap_or(0)
+    }
+
+    fn sent_request(&self) -> LookupRouteRequest {
+        let (_, _, _, message, _) = self.calls.first().expect("a call was dispatched");
+        LookupRouteRequest::decode(message.as_slice()).expect("a LookupRouteRequest")
+    }
+}
+
+impl Host for FakeHost {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.header(name).map(|value| value.as_bytes().to_vec())
+    }
+    fn set_request_header(&mut self, name: &str, value: &str) {
+        self.remove_request_header(name);
+        self.request_headers.push((name.into(), value.into()));
+    }
+    fn remove_request_header(&mut self, name: &str) {
+        self.request_headers.retain(|(key, _)| key != name);
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        Some(self.body[..size.min(self.body.len())].to_vec())
+    }
+    fn dispatch_grpc(
+        &mut self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        message: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, DispatchError> {
+        if self.refuse_dispatch {
+            return Err(DispatchError);
+        }
+        self.calls.push((
+            cluster.into(),
+            service.into(),
+            method.into(),
+            message.to_vec(),
+            timeout,
+        ));
+        Ok(7)
+    }
+    fn grpc_response_body(&self, size: usize) -> Option<Vec<u8>> {
+        Some(self.grpc_body[..size.min(self.grpc_body.len())].to_vec())
+    }
+    fn resume_request(&mut self) {
+        self.resumed += 1;
+    }
+    fn add_response_header(&mut self, name: &str, value: &str) {
+        self.response_headers.push((name.into(), value.into()));
+    }
+    fn increment_counter(&mut self, name: &'static str) {
+        *self.counters.entry(name).or_default() += 1;
+    }
+    fn log(&self, _level: LogLevel, message: &str) {
+        self.logs.borrow_mut().push(message.to_owned());
+    }
+}
+
+fn settings() -> Rc<Settings> {
+    let mut settings = Settings::with_cluster("inference_cache");
+    settings.replica_id_is_endpoint = true;
+    settings
+        .replica_endpoints
+        .insert("replica-a".into(), "10.0.0.1:8000".into());
+    settings.tenant_header = Some("x-tenant".into());
+    settings.tenant_id = "fallback".into();
+    Rc::new(settings)
+}
+
+const TOKENS_BODY: &[u8] =
+    br#"{"model":"m","prompt":[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+
+/// Drives headers and a single body chunk; returns the body action.
+fn send(flow: &mut RequestFlow, host: &mut FakeHost) -> Action {
+    assert_eq!(flow.on_request_headers(host, false), Action::Pause);
+    let size = host.body.len();
+    flow.on_request_body(host, size, true)
+}
+
+fn respond(flow: &mut RequestFlow, host: &mut FakeHost, reason: &str, replicas: &[&str]) {
+    host.grpc_body = LookupRouteResponse {
+        reason_code: reason.into(),
+        replica_scores: replicas
+            .iter()
+            .map(|id| ReplicaScore {
+                replica_id: (*id).into(),
+                ..ReplicaScore::default()
+            })
+            .collect(),
+        ..LookupRouteResponse::default()
+    }
+    .encode_to_vec();
+    let size = host.grpc_body.len();
+    flow.on_lookup_response(host, 7, 0, size);
+}
+
+#[test]
+fn token_prompt_routes_to_the_top_replica() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.request_headers
+        .push(("x-tenant".into(), "acme".into()));
+    let mut flow = RequestFlow::new(settings());
+    assert_eq!(send(&mut flow, &mut host), Action::Pause);
+    let (cluster, service, method, _, timeout) = host.calls[0].clone();
+    assert_eq!(cluster, "inference_cache");
+    assert_eq!(service, "inferencecache.v1alpha1.InferenceCache");
+    assert_eq!(method, "LookupRoute");
+    assert_eq!(timeout, Duration::from_millis(20));
+    let sent = host.sent_request();
+    assert_eq!(sent.tenant_id, "acme");
+    assert_eq!(sent.block_hashes.len(), 1);
+    assert_eq!(sent.block_token_counts, vec![16]);
+
+    respond(
+        &mut flow,
+        &mut host,
+        "PREFIX_MATCH",
+        &["replica-a", "replica-b"],
+    );
+    assert_eq!(host.resumed, 1);
+    assert_eq!(
+        host.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.1:8000")
+    );
+    flow.on_response_headers(&mut host);
+    assert_eq!(
+        host.response_headers,
+        vec![("x-inferencecache-reason".into(), "PREFIX_MATCH".into())]
+    );
+    assert_eq!(host.counter("inferencecache_filter.routed"), 1);
+    assert_eq!(host.counter("inferencecache_filter.reason.PREFIX_MATCH"), 1);
+    assert_eq!(host.counter("inferencecache_filter.lookups"), 1);
+}
+
+#[test]
+fn client_destination_header_is_always_stripped() {
+    for path in ["/v1/completions", "/v1/models"] {
+        let mut host = FakeHost::request("POST", path, TOKENS_BODY);
+        host.request_headers
+            .push(("x-gateway-destination-endpoint".into(), "1.2.3.4:80".into()));
+        let mut flow = RequestFlow::new(settings());
+        flow.on_request_headers(&mut host, false);
+        assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+        assert_eq!(
+            host.counter("inferencecache_filter.destination_header_removed"),
+            1
+        );
+    }
+}
+
+#[test]
+fn no_hint_leaves_the_request_alone() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "fallback");
+    respond(&mut flow, &mut host, "NO_HINT", &["replica-a"]);
+    assert_eq!(host.resumed, 1);
+    assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+    flow.on_response_headers(&mut host);
+    assert_eq!(host.response_headers[0].1, "NO_HINT");
+    assert_eq!(host.counter("inferencecache_filter.reason.NO_HINT"), 1);
+}
+
+#[test]
+fn grpc_failures_fail_open() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    flow.on_lookup_response(&mut host, 7, 14, 0);
+    assert_eq!(host.resumed, 1);
+    assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+    assert_eq!(
+        flow.outcome(),
+        Some(&Outcome::Failed(FailureKind::GrpcError))
+    );
+    assert_eq!(host.counter("inferencecache_filter.failure.grpc_error"), 1);
+    // A late or foreign callback does nothing.
+    flow.on_lookup_response(&mut host, 7, 0, 0);
+    assert_eq!(host.resumed, 1);
+}
+
+#[test]
+fn undecodable_response_fails_open() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    host.grpc_body = vec![0xff, 0xff, 0xff];
+    flow.on_lookup_response(&mut host, 7, 0, 3);
+    assert_eq!(host.resumed, 1);
+    assert_eq!(
+        flow.outcome(),
+        Some(&Outcome::Failed(FailureKind::DecodeError))
+    );
+}
+
+#[test]
+fn unknown_replica_fails_open() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    respond(&mut flow, &mut host, "AFFINITY_HINT", &["replica-q"]);
+    assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+    assert_eq!(
+        flow.outcome(),
+        Some(&Outcome::Failed(FailureKind::UnknownReplica))
+    );
+}
+
+#[test]
+fn dispatch_failure_continues_synchronously() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.refuse_dispatch = true;
+    let mut flow = RequestFlow::new(settings());
+    assert_eq!(send(&mut flow, &mut host), Action::Continue);
+    assert_eq!(host.resumed, 0);
+    assert_eq!(
+        host.counter("inferencecache_filter.failure.dispatch_failed"),
+        1
+    );
+    assert!(host.logs.borrow()[0].contains("inference_cache"));
+    flow.on_response_headers(&mut host);
+    assert_eq!(host.response_headers[0].1, "DISPATCH_FAILED");
+}
+
+#[test]
+fn other_paths_and_methods_pass_without_a_header() {
+    for (method, path) in [("GET", "/v1/completions"), ("POST", "/v1/embeddings")] {
+        let mut host = FakeHost::request(method, path, TOKENS_BODY);
+        let mut flow = RequestFlow::new(settings());
+        assert_eq!(flow.on_request_headers(&mut host, false), Action::Continue);
+        assert_eq!(flow.on_request_body(&mut host, 10, true), Action::Continue);
+        flow.on_response_headers(&mut host);
+        assert!(host.response_headers.is_empty());
+        assert!(host.calls.is_empty());
+    }
+}
+
+#[test]
+fn oversize_bodies_are_not_buffered() {
+    let mut settings = (*settings()).clone();
+    settings.max_body_bytes = 64;
+    let settings = Rc::new(settings);
+    let big = vec![b' '; 100];
+    // Declared length over the limit: no pause at all.
+    let mut host = FakeHost::request("POST", "/v1/completions", &big);
+    let mut flow = RequestFlow::new(settings.clone());
+    assert_eq!(flow.on_request_headers(&mut host, false), Action::Continue);
+    // Chunked body growing over the limit: stop buffering and continue.
+    let mut host = FakeHost::request("POST", "/v1/completions", &big);
+    host.remove_request_header("content-length");
+    let mut flow = RequestFlow::new(settings);
+    assert_eq!(flow.on_request_headers(&mut host, false), Action::Pause);
+    assert_eq!(flow.on_request_body(&mut host, 40, false), Action::Pause);
+    assert_eq!(
+        flow.on_request_body(&mut host, 100, false),
+        Action::Continue
+    );
+    assert_eq!(flow.on_request_body(&mut host, 100, true), Action::Continue);
+    assert!(host.calls.is_empty());
+    assert_eq!(
+        host.counter("inferencecache_filter.failure.body_too_large"),
+        1
+    );
+}
+
+#[test]
+fn bad_bodies_continue_with_their_failure() {
+    for (body, kind) in [
+        (&b"{nope"[..], FailureKind::InvalidJson),
+        (br#"{"prompt":"x"}"#, FailureKind::MissingModel),
+        (
+            br#"{"model":"m","prompt":["a","b"]}"#,
+            FailureKind::UnsupportedPrompt,
+        ),
+        (
+            br#"{"model":"m","prompt":[1,2,3]}"#,
+            FailureKind::PromptTooShort,
+        ),
+    ] {
+        let mut host = FakeHost::request("POST", "/v1/completions", body);
+        let mut flow = RequestFlow::new(settings());
+        assert_eq!(send(&mut flow, &mut host), Action::Continue);
+        assert_eq!(flow.outcome(), Some(&Outcome::Failed(kind)));
+        assert!(host.calls.is_empty());
+        assert_eq!(host.counter(kind.metric()), 1);
+    }
+}
+
+#[test]
+fn headers_only_request_is_not_looked_up() {
+    let mut host = FakeHost::request("POST", "/v1/completions", b"");
+    let mut flow = RequestFlow::new(settings());
+    assert_eq!(flow.on_request_headers(&mut host, true), Action::Continue);
+    assert!(host.calls.is_empty());
+}
+
+#[test]
+fn chat_and_string_prompts_go_as_server_inputs() {
+    let mut host = FakeHost::request(
+        "POST",
+        "/v1/chat/completions",
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    );
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().messages.len(), 1);
+
+    let mut host = FakeHost::request("POST", "/v1/completions", br#"{"model":"m","prompt":"hi"}"#);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().raw_prompt, "hi");
+}
+
+#[test]
+fn trailers_end_the_body() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    flow.on_request_headers(&mut host, false);
+    let size = host.body.len();
+    assert_eq!(flow.on_request_body(&mut host, size, false), Action::Pause);
+    assert_eq!(flow.on_request_trailers(&mut host, size), Action::Pause);
+    assert_eq!(host.calls.len(), 1);
+}
