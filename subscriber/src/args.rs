@@ -1,0 +1,395 @@
+//! Command-line flags of `inference-cache subscribe` and the validated
+//! [`Settings`] they resolve into.
+//!
+//! Flags are parsed once by clap ([`SubscribeArgs`]), then checked and
+//! normalised by [`SubscribeArgs::resolve`]; the rest of the crate only sees
+//! [`Settings`]. Environment variables are read by clap at parse time
+//! (`POD_NAMESPACE` for the tenant, among others), never deeper in the logic.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Flags of `inference-cache subscribe`: which engine to listen to, which
+/// server to report to, and under which identity.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SubscribeArgs {
+    /// Engine KV-event publisher endpoints (ZMQ PUB), one per data-parallel
+    /// rank; comma-separated or repeated.
+    #[arg(
+        long = "endpoint",
+        env = "KV_EVENTS_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "tcp://127.0.0.1:5557"
+    )]
+    pub endpoints: Vec<String>,
+
+    /// Engine replay endpoints (ZMQ ROUTER), paired with `--endpoint` by
+    /// position. Used to fetch batches missed in a sequence gap.
+    #[arg(
+        long = "replay-endpoint",
+        env = "KV_EVENTS_REPLAY_ENDPOINTS",
+        value_delimiter = ','
+    )]
+    pub replay_endpoints: Vec<String>,
+
+    /// ZMQ topic prefix to subscribe to (empty: every topic).
+    #[arg(long, env = "KV_EVENTS_TOPIC", default_value = "")]
+    pub topic: String,
+
+    /// Address of the inference-cache gRPC server.
+    #[arg(
+        long = "server",
+        env = "INFERENCE_CACHE_SERVER",
+        default_value = "http://127.0.0.1:9090"
+    )]
+    pub server: String,
+
+    /// Replica id reported for this engine (the id gateways route to).
+    #[arg(long, env = "REPLICA_ID")]
+    pub replica_id: String,
+
+    /// Tenant the engine's blocks belong to.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub tenant: String,
+
+    /// Model id served by the engine.
+    #[arg(long, env = "MODEL_ID")]
+    pub model: String,
+
+    /// Hash scheme (compatibility domain) the fingerprints are reported under.
+    #[arg(long, env = "HASH_SCHEME", default_value = "vllm")]
+    pub hash_scheme: String,
+
+    /// Tokens per KV block; must equal the engine's block size and the
+    /// server's `--engine-block-size`.
+    #[arg(long, env = "ENGINE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+
+    /// Stable adapter names for the engine's LoRA ids, `id=name,...`
+    /// (e.g. `1=sql-lora,2=chat-lora`). Blocks of an unmapped id are dropped.
+    #[arg(long, env = "LORA_ADAPTER_NAMES", value_delimiter = ',', value_parser = parse_lora_pair)]
+    pub lora_adapter_names: Vec<(i64, String)>,
+
+    /// An offload tier (e.g. LMCache) keeps blocks the engine evicts from GPU:
+    /// re-report them at T2 instead of removing them.
+    #[arg(long, env = "OFFLOAD_TIER")]
+    pub offload_tier: bool,
+
+    /// Pending blocks and events held while the server is slow or away; the
+    /// oldest are dropped (and counted) beyond this.
+    #[arg(long, env = "SUBSCRIBER_BUFFER_SIZE", default_value_t = 200_000)]
+    pub buffer_size: usize,
+
+    /// Engine block hashes remembered for parent chaining and removals.
+    #[arg(
+        long,
+        env = "SUBSCRIBER_MAX_TRACKED_BLOCKS",
+        default_value_t = 1_000_000
+    )]
+    pub max_tracked_blocks: usize,
+
+    /// Most blocks carried by one CacheStateUpdate message.
+    #[arg(long, default_value_t = 4096)]
+    pub max_blocks_per_update: usize,
+
+    /// How long to wait for the engine's replay socket to answer.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub replay_timeout: Duration,
+
+    /// Listen address of the subscriber's own `/metrics`; `off` disables it.
+    #[arg(
+        long,
+        env = "SUBSCRIBER_METRICS_LISTEN",
+        default_value = "0.0.0.0:9091"
+    )]
+    pub metrics_listen: String,
+}
+
+/// Wrapper so the flags can be parsed on their own (tests, the bench).
+#[derive(Debug, Parser)]
+#[command(name = "subscribe")]
+struct StandaloneArgs {
+    #[command(flatten)]
+    args: SubscribeArgs,
+}
+
+impl SubscribeArgs {
+    /// Parses the flags from an argument list whose first item is the
+    /// program name, as `inference-cache subscribe` would.
+    pub fn try_parse_from<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        StandaloneArgs::try_parse_from(args).map(|parsed| parsed.args)
+    }
+
+    /// Checks the flags and resolves them into [`Settings`].
+    pub fn resolve(&self) -> Result<Settings, SettingsError> {
+        let required = [
+            ("--replica-id", &self.replica_id),
+            ("--tenant", &self.tenant),
+            ("--model", &self.model),
+            ("--hash-scheme", &self.hash_scheme),
+            ("--server", &self.server),
+        ];
+        for (flag, value) in required {
+            if value.trim().is_empty() {
+                return Err(SettingsError::Empty(flag));
+            }
+        }
+        let endpoints: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if endpoints.is_empty() {
+            return Err(SettingsError::Empty("--endpoint"));
+        }
+        if self.replay_endpoints.len() > endpoints.len() {
+            return Err(SettingsError::TooManyReplayEndpoints {
+                endpoints: endpoints.len(),
+                replay: self.replay_endpoints.len(),
+            });
+        }
+        let endpoints = endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(index, endpoint)| EndpointSettings {
+                endpoint,
+                replay: self
+                    .replay_endpoints
+                    .get(index)
+                    .map(|r| r.trim().to_owned())
+                    .filter(|r| !r.is_empty()),
+            })
+            .collect();
+        if self.block_size == 0 {
+            return Err(SettingsError::Zero("--block-size"));
+        }
+        if self.buffer_size == 0 {
+            return Err(SettingsError::Zero("--buffer-size"));
+        }
+        if self.max_tracked_blocks == 0 {
+            return Err(SettingsError::Zero("--max-tracked-blocks"));
+        }
+        if self.max_blocks_per_update == 0 {
+            return Err(SettingsError::Zero("--max-blocks-per-update"));
+        }
+        let mut lora_names = HashMap::new();
+        for (id, name) in &self.lora_adapter_names {
+            if lora_names
+                .insert(*id, Arc::<str>::from(name.as_str()))
+                .is_some()
+            {
+                return Err(SettingsError::DuplicateLoraId(*id));
+            }
+        }
+        let metrics_listen = match self.metrics_listen.trim() {
+            "" | "off" | "none" => None,
+            addr => Some(
+                addr.parse::<SocketAddr>()
+                    .map_err(|_| SettingsError::BadAddress(addr.to_owned()))?,
+            ),
+        };
+        let server = if self.server.contains("://") {
+            self.server.clone()
+        } else {
+            format!("http://{}", self.server)
+        };
+        Ok(Settings {
+            endpoints,
+            topic: self.topic.clone(),
+            server,
+            replica_id: self.replica_id.clone(),
+            tenant: self.tenant.clone(),
+            model: self.model.clone(),
+            hash_scheme: self.hash_scheme.clone(),
+            block_size: self.block_size,
+            lora_names,
+            offload_tier: self.offload_tier,
+            buffer_size: self.buffer_size,
+            max_tracked_blocks: self.max_tracked_blocks,
+            max_blocks_per_update: self.max_blocks_per_update,
+            replay_timeout: self.replay_timeout,
+            metrics_listen,
+        })
+    }
+}
+
+/// One `id=name` item of `--lora-adapter-names`.
+fn parse_lora_pair(item: &str) -> Result<(i64, String), String> {
+    let (id, name) = item
+        .split_once('=')
+        .ok_or_else(|| format!("expected id=name, got {item:?}"))?;
+    let id = id
+        .trim()
+        .parse::<i64>()
+        .map_err(|_| format!("LoRA id must be an integer, got {:?}", id.trim()))?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Err(format!("empty adapter name for LoRA id {id}"));
+    }
+    Ok((id, name.to_owned()))
+}
+
+/// A flag combination that cannot run.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SettingsError {
+    /// A required value is empty.
+    #[error("{0} must not be empty")]
+    Empty(&'static str),
+    /// A size that must be positive is zero.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+    /// More replay endpoints than event endpoints.
+    #[error("{replay} replay endpoints for {endpoints} endpoints (they pair by position)")]
+    TooManyReplayEndpoints {
+        /// Number of `--endpoint` values.
+        endpoints: usize,
+        /// Number of `--replay-endpoint` values.
+        replay: usize,
+    },
+    /// The same LoRA id is named twice.
+    #[error("LoRA id {0} appears twice in --lora-adapter-names")]
+    DuplicateLoraId(i64),
+    /// `--metrics-listen` is not a socket address.
+    #[error("--metrics-listen: {0:?} is not an ip:port address")]
+    BadAddress(String),
+}
+
+/// One engine publisher and its optional replay socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSettings {
+    /// ZMQ PUB endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// ZMQ ROUTER replay endpoint, when the engine exposes one.
+    pub replay: Option<String>,
+}
+
+/// Validated subscriber configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Publishers to subscribe to.
+    pub endpoints: Vec<EndpointSettings>,
+    /// ZMQ topic prefix.
+    pub topic: String,
+    /// gRPC server URI (with scheme).
+    pub server: String,
+    /// Replica id reported to the server.
+    pub replica_id: String,
+    /// Tenant id reported to the server.
+    pub tenant: String,
+    /// Model id reported to the server.
+    pub model: String,
+    /// Hash scheme reported to the server.
+    pub hash_scheme: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Engine LoRA id → stable adapter name.
+    pub lora_names: HashMap<i64, Arc<str>>,
+    /// Whether GPU evictions are re-reported at T2.
+    pub offload_tier: bool,
+    /// Capacity of the pending-work buffer, in blocks and events.
+    pub buffer_size: usize,
+    /// Capacity of the engine-hash → fingerprint map.
+    pub max_tracked_blocks: usize,
+    /// Blocks per CacheStateUpdate.
+    pub max_blocks_per_update: usize,
+    /// Replay answer timeout.
+    pub replay_timeout: Duration,
+    /// `/metrics` listen address, if any.
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Vec<&'static str> {
+        vec![
+            "subscribe",
+            "--replica-id",
+            "r1",
+            "--tenant",
+            "team-a",
+            "--model",
+            "qwen",
+        ]
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let args = SubscribeArgs::try_parse_from(base()).expect("parse");
+        let settings = args.resolve().expect("resolve");
+        assert_eq!(settings.hash_scheme, "vllm");
+        assert_eq!(settings.block_size, 16);
+        assert_eq!(settings.endpoints.len(), 1);
+        assert_eq!(settings.endpoints[0].replay, None);
+        assert!(!settings.offload_tier);
+        assert_eq!(settings.server, "http://127.0.0.1:9090");
+    }
+
+    #[test]
+    fn lora_names_and_replay_pairs() {
+        let mut argv = base();
+        argv.extend([
+            "--lora-adapter-names",
+            "1=sql-lora,2=chat-lora",
+            "--endpoint",
+            "tcp://a:5557,tcp://a:5558",
+            "--replay-endpoint",
+            "tcp://a:5657",
+            "--server",
+            "10.0.0.1:9090",
+            "--metrics-listen",
+            "off",
+        ]);
+        let settings = SubscribeArgs::try_parse_from(argv)
+            .expect("parse")
+            .resolve()
+            .expect("resolve");
+        assert_eq!(settings.lora_names.get(&1).map(|n| &**n), Some("sql-lora"));
+        assert_eq!(settings.lora_names.get(&2).map(|n| &**n), Some("chat-lora"));
+        assert_eq!(
+            settings.endpoints[0].replay.as_deref(),
+            Some("tcp://a:5657")
+        );
+        assert_eq!(settings.endpoints[1].replay, None);
+        assert_eq!(settings.server, "http://10.0.0.1:9090");
+        assert_eq!(settings.metrics_listen, None);
+    }
+
+    #[test]
+    fn bad_values_are_rejected_with_the_flag_name() {
+        let mut argv = base();
+        argv.extend(["--lora-adapter-names", "x=a"]);
+        assert!(SubscribeArgs::try_parse_from(argv).is_err());
+
+        let mut argv = base();
+        argv.extend(["--lora-adapter-names", "1=a,1=b"]);
+        let args = SubscribeArgs::try_parse_from(argv).expect("parse");
+        assert_eq!(
+            args.resolve().err(),
+            Some(SettingsError::DuplicateLoraId(1))
+        );
+
+        let mut argv = base();
+        argv.extend(["--block-size", "0"]);
+        let args = SubscribeArgs::try_parse_from(argv).expect("parse");
+        assert_eq!(
+            args.resolve().err(),
+            Some(SettingsError::Zero("--block-size"))
+        );
+
+        let mut args = SubscribeArgs::try_parse_from(base()).expect("parse");
+        args.tenant = String::new();
+        assert_eq!(args.resolve().err(), Some(SettingsError::Empty("--tenant")));
+    }
+}

@@ -1,0 +1,278 @@
+//! End to end: Python vLLM publisher → subscriber → the real
+//! `inference-cache serve` binary → LookupRoute with token_ids.
+//!
+//! The binary is taken from `$INFERENCE_CACHE_BIN`, else from this test's
+//! target directory (`target/<profile>/inference-cache`); build it first with
+//! `cargo build -p inference-cache-server`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use inference_cache_proto::reason;
+use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inference_cache_proto::v1alpha1::{CacheTier, LookupRouteRequest, LookupRouteResponse};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+async fn server_on(addr: SocketAddr) -> ServerProcess {
+    ServerProcess::start(addr).await
+}
+
+async fn lookup(server: SocketAddr, tokens: &[u32], adapter: &str) -> LookupRouteResponse {
+    let mut client = InferenceCacheClient::connect(format!("http://{server}"))
+        .await
+        .expect("connect");
+    client
+        .lookup_route(LookupRouteRequest {
+            model_id: "qwen3".into(),
+            tenant_id: "team-a".into(),
+            hash_scheme: "vllm".into(),
+            token_ids: tokens.to_vec(),
+            adapter_id: adapter.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("lookup")
+        .into_inner()
+}
+
+/// Polls LookupRoute until `check` accepts the answer; returns the last one.
+async fn lookup_until(
+    server: SocketAddr,
+    tokens: &[u32],
+    adapter: &str,
+    check: impl Fn(&LookupRouteResponse) -> bool,
+) -> LookupRouteResponse {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let answer = lookup(server, tokens, adapter).await;
+        if check(&answer) || std::time::Instant::now() > deadline {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn matched(answer: &LookupRouteResponse) -> i32 {
+    answer
+        .replica_scores
+        .iter()
+        .find(|s| s.replica_id == "replica-a")
+        .map(|s| s.matched_tokens)
+        .unwrap_or(0)
+}
+
+fn is_match(tokens: i32) -> impl Fn(&LookupRouteResponse) -> bool {
+    move |a| a.reason_code == reason::PREFIX_MATCH && matched(a) == tokens
+}
+
+fn no_match(a: &LookupRouteResponse) -> bool {
+    a.reason_code != reason::PREFIX_MATCH && matched(a) == 0
+}
+
+fn prompt(offset: u32) -> Vec<u32> {
+    (offset..offset + 128).collect()
+}
+
+fn hashes(first: i128) -> Vec<i128> {
+    (first..first + 8).collect()
+}
+
+async fn prefix_match_then_lost(layout: &str) {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(&publisher, addr, false, &[]).await;
+    publisher.wait_subscriber(1);
+
+    let tokens = prompt(1);
+    let hs = hashes(100);
+    publisher.publish(
+        json!([
+            stored(&hs[..4], None, &tokens[..64]),
+            stored(&hs[4..], Some(hs[3]), &tokens[64..])
+        ]),
+        layout,
+    );
+    let answer = lookup_until(addr, &tokens, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "stored chain not matched: {answer:?}"
+    );
+    assert_eq!(answer.replica_scores[0].replica_id, "replica-a");
+
+    // Drop the last four blocks: the leading half still matches.
+    publisher.publish(json!([removed(&hs[4..], "GPU")]), layout);
+    let answer = lookup_until(addr, &tokens, "", is_match(64)).await;
+    assert!(is_match(64)(&answer), "partial match expected: {answer:?}");
+
+    // Remove the rest: no prefix evidence left.
+    publisher.publish(json!([removed(&hs[..4], "GPU")]), layout);
+    let answer = lookup_until(addr, &tokens, "", no_match).await;
+    assert!(no_match(&answer), "removed chain still matched: {answer:?}");
+
+    // Store again, then AllBlocksCleared.
+    publisher.publish(json!([stored(&hs, None, &tokens)]), layout);
+    let answer = lookup_until(addr, &tokens, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "re-stored chain not matched: {answer:?}"
+    );
+    publisher.publish(json!([{"type": "AllBlocksCleared"}]), layout);
+    let answer = lookup_until(addr, &tokens, "", no_match).await;
+    assert!(no_match(&answer), "cleared chain still matched: {answer:?}");
+
+    sub.shutdown().await;
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_array_layout_match_remove_clear() {
+    prefix_match_then_lost("array").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_map_layout_match_remove_clear() {
+    prefix_match_then_lost("map").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_lora_partitions() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(
+        &publisher,
+        addr,
+        false,
+        &["--lora-adapter-names", "1=sql-lora"],
+    )
+    .await;
+    publisher.wait_subscriber(1);
+    let tokens = prompt(5);
+    let mut lora = stored(&hashes(200), None, &tokens);
+    lora["lora_id"] = json!(1);
+    let mut unmapped = stored(&hashes(300), None, &prompt(9000));
+    unmapped["lora_id"] = json!(4);
+    publisher.publish(json!([lora, unmapped]), "array");
+
+    let answer = lookup_until(addr, &tokens, "sql-lora", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "adapter partition not matched: {answer:?}"
+    );
+    assert_eq!(answer.adapter_id, "sql-lora");
+    let base = lookup(addr, &tokens, "").await;
+    assert!(
+        no_match(&base),
+        "base partition must not see LoRA blocks: {base:?}"
+    );
+    let other = lookup(addr, &prompt(9000), "").await;
+    assert!(
+        no_match(&other),
+        "unmapped LoRA id must be dropped: {other:?}"
+    );
+    sub.shutdown().await;
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_offload_tier_keeps_evicted_blocks_at_t2() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(&publisher, addr, false, &["--offload-tier"]).await;
+    publisher.wait_subscriber(1);
+    let tokens = prompt(77);
+    let hs = hashes(400);
+    publisher.publish(json!([stored(&hs, None, &tokens)]), "map");
+    let answer = lookup_until(addr, &tokens, "", is_match(128)).await;
+    assert_eq!(
+        answer.replica_scores.first().map(|s| s.tier),
+        Some(CacheTier::T1 as i32)
+    );
+    publisher.publish(json!([removed(&hs[6..], "GPU")]), "map");
+    let answer = lookup_until(addr, &tokens, "", |a| {
+        is_match(128)(a) && a.replica_scores[0].tier == CacheTier::T2 as i32
+    })
+    .await;
+    assert!(
+        is_match(128)(&answer),
+        "evicted blocks must stay matchable: {answer:?}"
+    );
+    assert_eq!(
+        answer.replica_scores[0].tier,
+        CacheTier::T2 as i32,
+        "{answer:?}"
+    );
+    sub.shutdown().await;
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_gap_is_replayed() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v26");
+    let sub = subscriber(&publisher, addr, true, &[]).await;
+    publisher.wait_subscriber(1);
+    let tokens = prompt(3);
+    let hs = hashes(500);
+    publisher.publish(json!([stored(&hs[..3], None, &tokens[..48])]), "array");
+    publisher.publish_unsent(
+        json!([stored(&hs[3..6], Some(hs[2]), &tokens[48..96])]),
+        "array",
+    );
+    publisher.publish(
+        json!([stored(&hs[6..], Some(hs[5]), &tokens[96..])]),
+        "array",
+    );
+    let answer = lookup_until(addr, &tokens, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "replayed middle not matched: {answer:?}"
+    );
+    assert_eq!(
+        metric(&sub, "inferencecache_subscriber_batches_replayed_total"),
+        1.0
+    );
+    sub.shutdown().await;
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_server_restart_mid_stream() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(&publisher, addr, false, &[]).await;
+    publisher.wait_subscriber(1);
+    let first = prompt(10_000);
+    publisher.publish(json!([stored(&hashes(600), None, &first)]), "array");
+    let answer = lookup_until(addr, &first, "", is_match(128)).await;
+    assert!(is_match(128)(&answer), "{answer:?}");
+
+    server.kill();
+    let second = prompt(20_000);
+    publisher.publish(json!([stored(&hashes(700), None, &second)]), "array");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let server = server_on(addr).await;
+    let answer = lookup_until(addr, &second, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "block stored while down not delivered: {answer:?}"
+    );
+    let answer = lookup_until(addr, &first, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "state from before the restart not restored: {answer:?}"
+    );
+    sub.shutdown().await;
+    server.kill();
+}
