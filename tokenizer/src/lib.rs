@@ -14,8 +14,8 @@
 //!
 //! Token ids match Python `transformers`' `apply_chat_template(...,
 //! add_generation_prompt=True, tokenize=True)` and `tokenizer(text)` on the
-//! same files; the crate's parity tests prove it on real Qwen3, Llama 3 and
-//! DeepSeek-V3 tokenizers.
+//! same files; the crate's parity tests prove it on real Qwen3, Llama 3,
+//! DeepSeek-V3 and Gemma 3 tokenizers.
 //!
 //! ```no_run
 //! use inference_cache_tokenizer::{ChatMessage, TokenizerRegistry};
