@@ -135,8 +135,18 @@ impl Publisher {
     }
 
     fn command(&mut self, command: Value) -> Value {
+        self.send(command);
+        self.answer()
+    }
+
+    /// Writes a command without waiting for its answer.
+    fn send(&mut self, command: Value) {
         writeln!(self.stdin, "{command}").expect("write");
         self.stdin.flush().expect("flush");
+    }
+
+    /// Reads the next answer line.
+    fn answer(&mut self) -> Value {
         let mut line = String::new();
         self.stdout.read_line(&mut line).expect("read");
         serde_json::from_str(&line).expect("json")
@@ -151,6 +161,23 @@ impl Drop for Publisher {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// CPU seconds (user + system, all threads) this process has used so far,
+/// from `/proc/self/stat` (clock ticks of 10 ms).
+fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the whole line.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 struct Run {
@@ -226,8 +253,10 @@ fn main() {
             blocks_per_event: 32,
         },
     ];
-    println!("| workload | events | blocks | seconds | events/s | blocks/s | publisher send s |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| workload | events | blocks | wall s | events/s | blocks/s | CPU s | blocks per CPU s | publisher send s |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for run in &runs {
         runtime.block_on(async {
             let counter = Counter::default();
@@ -252,30 +281,55 @@ fn main() {
             });
             // Warm-up batch (also proves the path is connected).
             tokio::task::block_in_place(|| {
-                publisher.command(json!({"op": "blast", "batches": 1, "events_per_batch": 1,
-                    "blocks_per_event": 1, "first_hash": 1_000_000_000u64}))
+                publisher.command(json!({"op": "prepare", "batches": 1, "events_per_batch": 1,
+                    "blocks_per_event": 1, "first_hash": 1_000_000_000u64}));
+                publisher.command(json!({"op": "blast"}))
             });
             while counter.blocks.load(Ordering::Relaxed) < 1 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             let target = 1 + run.batches * run.events_per_batch * run.blocks_per_event;
-            let start = Instant::now();
-            let answer = tokio::task::block_in_place(|| {
-                publisher.command(json!({"op": "blast", "batches": run.batches,
+            tokio::task::block_in_place(|| {
+                publisher.command(json!({"op": "prepare", "batches": run.batches,
                     "events_per_batch": run.events_per_batch, "blocks_per_event": run.blocks_per_event}))
             });
+            let cpu_start = process_cpu_seconds();
+            let start = Instant::now();
+            publisher.send(json!({"op": "blast"}));
             let deadline = start + Duration::from_secs(120);
+            let frames_target = 1.0 + run.batches as f64;
+            let mut frames_done = f64::NAN;
             while counter.blocks.load(Ordering::Relaxed) < target && Instant::now() < deadline {
+                if frames_done.is_nan()
+                    && subscriber
+                        .metrics()
+                        .sample("inferencecache_subscriber_frames_total")
+                        .unwrap_or(0.0)
+                        >= frames_target
+                {
+                    frames_done = start.elapsed().as_secs_f64();
+                }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            eprintln!("{}: all frames received after {frames_done:.3} s", run.label);
             let seconds = start.elapsed().as_secs_f64();
+            let cpu = process_cpu_seconds() - cpu_start;
+            let answer = tokio::task::block_in_place(|| publisher.answer());
             let received = counter.blocks.load(Ordering::Relaxed) - 1;
             let events = (run.batches * run.events_per_batch) as f64;
             let complete = if received + 1 >= target { "" } else { " (INCOMPLETE)" };
             println!(
-                "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.3} |",
-                run.label, complete, events, received, seconds, events / seconds,
-                received as f64 / seconds, answer["send_seconds"].as_f64().unwrap_or(f64::NAN)
+                "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.2} | {:.0} | {:.3} |",
+                run.label,
+                complete,
+                events,
+                received,
+                seconds,
+                events / seconds,
+                received as f64 / seconds,
+                cpu,
+                received as f64 / cpu.max(0.01),
+                answer["send_seconds"].as_f64().unwrap_or(f64::NAN)
             );
             subscriber.shutdown().await;
             server.abort();

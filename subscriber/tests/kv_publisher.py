@@ -23,9 +23,10 @@ Two modes:
          "send": true, "dp_rank": null}        -> {"ok": true, "seq": n}
         {"op": "raw", "frames_hex": ["..", ..]} -> sends arbitrary frames
         {"op": "set_seq", "seq": n}             -> next sequence number
-        {"op": "blast", "batches": n, "events_per_batch": e,
-         "blocks_per_event": b}                 -> pre-encodes, then sends as fast
-                                                   as possible (benchmark load)
+        {"op": "prepare", "batches": n, "events_per_batch": e,
+         "blocks_per_event": b}                 -> pre-encodes benchmark batches
+        {"op": "blast"}                         -> sends the prepared batches back
+                                                   to back (benchmark load)
         {"op": "quit"}
       An event is {"type": "BlockStored", "block_hashes": [...],
       "parent_block_hash": h|null, "token_ids": [...], "block_size": 16,
@@ -202,11 +203,14 @@ def serve(replay_format):
                     state["next_seq"] = cmd["seq"]
                     buffer.clear()
                 reply({"ok": True})
-            elif op == "blast":
-                payloads = blast_payloads(
+            elif op == "prepare":
+                state["prepared"] = blast_payloads(
                     cmd["batches"], cmd["events_per_batch"], cmd["blocks_per_event"],
                     cmd.get("block_size", 16), cmd.get("layout", "array"), cmd.get("first_hash", 1),
                 )
+                reply({"ok": True, "batches": len(state["prepared"])})
+            elif op == "blast":
+                payloads = state.pop("prepared", [])
                 start = time.perf_counter()
                 with lock:
                     first_seq = state["next_seq"]
