@@ -16,7 +16,7 @@ use std::time::Instant;
 use inference_cache_index::{BlockHashes, CacheIndex, Chain, LookupRequest, Reason, SystemClock};
 
 mod support;
-use support::{BLOCK, CHAIN_BLOCKS, REPLICAS, Workload};
+use support::{BLOCK, CHAIN_BLOCKS, Workload};
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
@@ -146,6 +146,7 @@ fn ours(work: &Workload) -> Row {
 #[cfg(feature = "compare-kv-index")]
 fn kv_index(work: &Workload, entries: usize) -> Row {
     use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+    use support::REPLICAS;
     let blocks: Vec<Vec<StoredBlock>> = work
         .prefixes
         .iter()
@@ -228,6 +229,7 @@ fn main() {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (entries, holders) in sizes() {
         let work = Workload::new(entries, holders);
+        #[cfg_attr(not(feature = "compare-kv-index"), allow(unused_mut))]
         let mut rows = vec![ours(&work)];
         // Both rows divide by the same count: distinct block-replica entries.
         #[cfg(feature = "compare-kv-index")]

@@ -185,8 +185,8 @@ impl CacheIndex {
             report.drop(DropReason::EmptyHashScheme, prefix_total);
             return report;
         }
-        let mut parts: Vec<(&str, PartitionId)> = Vec::with_capacity(1);
-        let mut deltas = Deltas::default();
+        // (adapter, partition, new entries, new keys) of this update.
+        let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
         for prefix in &update.prefixes {
             let has_chain =
                 !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
@@ -210,8 +210,8 @@ impl CacheIndex {
             } else {
                 prefix.adapter_id.as_str()
             };
-            let part = match parts.iter().find(|(a, _)| *a == adapter) {
-                Some(&(_, p)) => p,
+            let slot_index = match parts.iter().position(|(a, ..)| *a == adapter) {
+                Some(i) => i,
                 None => {
                     let p = self.partition_id(
                         &update.tenant_id,
@@ -219,10 +219,12 @@ impl CacheIndex {
                         &update.hash_scheme,
                         adapter,
                     );
-                    parts.push((adapter, p));
-                    p
+                    parts.push((adapter, p, 0, 0));
+                    parts.len() - 1
                 }
             };
+            let part = parts[slot_index].1;
+            let (mut added, mut keys) = (0i64, 0i64);
             let tier = if prefix.tier == Tier::Unspecified {
                 Tier::T1
             } else {
@@ -245,13 +247,8 @@ impl CacheIndex {
                     holder,
                 );
                 report.entries_written += 1;
-                if up.new_entry {
-                    report.entries_added += 1;
-                    deltas.entry(part, replica, 1);
-                }
-                if up.new_key {
-                    deltas.key(part, 1);
-                }
+                added += i64::from(up.new_entry);
+                keys += i64::from(up.new_key);
             };
             for (hash, &count) in prefix.block_hashes.iter().zip(&prefix.block_token_counts) {
                 write(hash, count);
@@ -259,7 +256,15 @@ impl CacheIndex {
             if !prefix.prefix_hash.is_empty() {
                 write(&prefix.prefix_hash, prefix.token_count);
             }
+            parts[slot_index].2 += added;
+            parts[slot_index].3 += keys;
+            report.entries_added += added as u64;
             report.accepted_prefixes += 1;
+        }
+        let mut deltas = Deltas::default();
+        for &(_, part, added, keys) in &parts {
+            deltas.entry(part, replica, added);
+            deltas.key(part, keys);
         }
         self.apply(&deltas);
         report

@@ -14,8 +14,10 @@
 //! 5. anything that downgraded → AFFINITY_HINT when enabled, else NO_HINT;
 //! 6. a deadline passed while working → TIMEOUT (and no LFU credit).
 //!
-//! Cost: one shard read lock and one table probe per chain block while at least
-//! one replica is still in the run; candidates live in a stack buffer. The only
+//! Cost: one table probe per chain block while at least one replica is still
+//! in the run, with each touched shard read-locked once (windows of 16 blocks
+//! are locked first and probed after, so their cache misses overlap);
+//! candidates live in a stack buffer. The only
 //! allocation is the result vector (and a small one on the AFFINITY_HINT /
 //! TENANT_HOT paths).
 
@@ -28,9 +30,13 @@ use crate::clock::ms_to_secs;
 use crate::index::{CacheIndex, ReplicaRecord};
 use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier};
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction};
-use crate::store::{HashRef, Store};
+use parking_lot::RwLockReadGuard;
+
+use crate::store::{HashRef, SHARDS, Shard, Slot, Store};
 
 const INLINE: usize = 16;
+/// Blocks whose shards are locked and probed together.
+const WINDOW: usize = 16;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Candidate {
@@ -273,45 +279,63 @@ impl CacheIndex {
     }
 
     fn walk_chain(&self, part: PartitionId, chain: Chain<'_>, cands: &mut Candidates) -> Matched {
-        for i in 0..chain.hashes.len() {
-            let hash = HashRef::from_bytes(chain.hashes.get(i));
-            let tokens = i64::from(chain.token_counts[i]);
-            let slot = Store::slot(part, hash);
-            let shard = self.store.shard(slot.shard).read();
-            let held = shard.get(part, hash, slot.mixed);
-            if i == 0 {
-                let Some(held) = held else {
-                    return Matched::Miss;
+        // Read guards of the shards touched so far, each taken once per lookup.
+        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] =
+            std::array::from_fn(|_| None);
+        let n = chain.hashes.len();
+        let mut start = 0;
+        while start < n {
+            let end = (start + WINDOW).min(n);
+            let mut slots = [Slot::default(); WINDOW];
+            for (k, b) in (start..end).enumerate() {
+                let slot = Store::slot(part, HashRef::from_bytes(chain.hashes.get(b)));
+                slots[k] = slot;
+                if guards[slot.shard].is_none() {
+                    guards[slot.shard] = Some(self.store.shard(slot.shard).read());
+                }
+            }
+            for (k, i) in (start..end).enumerate() {
+                let hash = HashRef::from_bytes(chain.hashes.get(i));
+                let tokens = i64::from(chain.token_counts[i]);
+                let Some(shard) = guards[slots[k].shard].as_ref() else {
+                    return Matched::Hits;
                 };
-                for h in held.holders {
-                    cands.push(Candidate {
-                        replica: h.replica,
-                        matched: tokens,
-                        blocks: 1,
-                        oldest_seen: h.last_seen,
-                        tier: h.tier,
-                        active: true,
-                    });
-                }
-                continue;
-            }
-            let holders = held.map_or(&[][..], |h| h.holders);
-            let mut any = false;
-            for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
-                match holders.iter().find(|h| h.replica == c.replica) {
-                    Some(h) => {
-                        c.matched += tokens;
-                        c.blocks += 1;
-                        c.oldest_seen = c.oldest_seen.min(h.last_seen);
-                        c.tier = c.tier.max(h.tier);
-                        any = true;
+                let held = shard.get(part, hash, slots[k].mixed);
+                if i == 0 {
+                    let Some(held) = held else {
+                        return Matched::Miss;
+                    };
+                    for h in held.holders {
+                        cands.push(Candidate {
+                            replica: h.replica,
+                            matched: tokens,
+                            blocks: 1,
+                            oldest_seen: h.last_seen,
+                            tier: h.tier,
+                            active: true,
+                        });
                     }
-                    None => c.active = false,
+                    continue;
+                }
+                let holders = held.map_or(&[][..], |h| h.holders);
+                let mut any = false;
+                for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
+                    match holders.iter().find(|h| h.replica == c.replica) {
+                        Some(h) => {
+                            c.matched += tokens;
+                            c.blocks += 1;
+                            c.oldest_seen = c.oldest_seen.min(h.last_seen);
+                            c.tier = c.tier.max(h.tier);
+                            any = true;
+                        }
+                        None => c.active = false,
+                    }
+                }
+                if !any {
+                    return Matched::Hits;
                 }
             }
-            if !any {
-                break;
-            }
+            start = end;
         }
         Matched::Hits
     }

@@ -10,9 +10,10 @@
 //!
 //! Concurrency: the key space is split over [`SHARDS`] shards, each a pair of
 //! `hashbrown` tables behind a `parking_lot::RwLock`, picked by a hash of the
-//! key independent of the in-table hash. A lookup takes one shard read lock per
-//! block, for the duration of one probe; ingest takes one write lock per
-//! block. Nothing on the lookup path allocates.
+//! key independent of the in-table hash. A chain lookup read-locks each shard
+//! it needs once, up front for a window of blocks, then probes the window with
+//! no atomic in between so the cache misses of consecutive blocks overlap;
+//! ingest takes one write lock per block. Nothing on the lookup path allocates.
 
 use hashbrown::HashTable;
 use parking_lot::RwLock;
@@ -346,7 +347,7 @@ impl Default for Store {
 }
 
 /// Where a key lives: its shard and its in-table hash.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Slot {
     pub shard: usize,
     pub mixed: u64,

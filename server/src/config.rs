@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 
+use crate::index_runtime::IndexSettings;
+
 /// Everything [`crate::start`] needs. `Default` is the embedded default
 /// configuration the binary runs with when no flag is given.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -10,6 +12,8 @@ pub struct ServeConfig {
     pub grpc_addr: SocketAddr,
     /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
     pub admin_addr: SocketAddr,
+    /// Cache index: policy file, entry cap, engine block size, sweep interval.
+    pub index: IndexSettings,
 }
 
 impl Default for ServeConfig {
@@ -17,6 +21,7 @@ impl Default for ServeConfig {
         Self {
             grpc_addr: SocketAddr::from(([0, 0, 0, 0], 9090)),
             admin_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            index: IndexSettings::default(),
         }
     }
 }
@@ -27,6 +32,7 @@ impl ServeConfig {
         Self {
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            index: IndexSettings::default(),
         }
     }
 }

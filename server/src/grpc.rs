@@ -3,6 +3,12 @@
 //!
 //! Consumer-side handlers never return an error status: every failure becomes
 //! a fail-open envelope (empty `replica_scores` with a reason code).
+//!
+//! LookupRoute, ReportCacheState, PublishEvent and GetCacheState are backed by
+//! the cache index: this module converts wire messages into the index's plain
+//! types ([`resolve_input`] decides which prompt input a lookup uses) and the
+//! answers back. Ingest runs per streamed message, so lookups interleave with
+//! a long-lived ReportCacheState stream.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,7 +24,10 @@ use inference_cache_proto::v1alpha1::{
 };
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
+use inference_cache_index as index;
+use inference_cache_proto::v1alpha1::{ReplicaScore, ReplicaStats, cache_event};
 
 /// Boxed server-streaming response.
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -26,12 +35,13 @@ type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + '
 /// Implementation of the generated `InferenceCache` trait.
 pub struct CacheService {
     metrics: Arc<Metrics>,
+    index: Arc<IndexState>,
 }
 
 impl CacheService {
-    /// Creates the service over shared metrics.
-    pub fn new(metrics: Arc<Metrics>) -> Self {
-        Self { metrics }
+    /// Creates the service over shared metrics and the cache index.
+    pub fn new(metrics: Arc<Metrics>, index: Arc<IndexState>) -> Self {
+        Self { metrics, index }
     }
 }
 
@@ -57,13 +67,18 @@ impl InferenceCache for CacheService {
 
     async fn lookup_route(
         &self,
-        _request: Request<LookupRouteRequest>,
+        request: Request<LookupRouteRequest>,
     ) -> Result<Response<LookupRouteResponse>, Status> {
         let started = Instant::now();
+        let deadline = grpc_timeout(request.metadata()).map(|t| started + t);
+        let request = request.into_inner();
+        let outcome = lookup(&self.index, &request, started, deadline);
         let response = LookupRouteResponse {
-            reason_code: reason::NO_HINT.to_owned(),
+            replica_scores: outcome.scores.into_iter().map(replica_score).collect(),
+            reason_code: outcome.reason.as_str().to_owned(),
             lookup_latency_us: elapsed_us(started),
-            ..Default::default()
+            token_ids: Vec::new(),
+            adapter_id: outcome.adapter_id,
         };
         self.metrics
             .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
@@ -83,12 +98,44 @@ impl InferenceCache for CacheService {
 
     async fn get_cache_state(
         &self,
-        _request: Request<GetCacheStateRequest>,
+        request: Request<GetCacheStateRequest>,
     ) -> Result<Response<GetCacheStateResponse>, Status> {
         self.metrics.record_rpc("GetCacheState");
+        let request = request.into_inner();
+        let state = self
+            .index
+            .index
+            .cache_state(&request.tenant_id, &request.model_id);
+        let summary = CacheSummary {
+            replica_count: state.summary.replica_count,
+            prefix_count: state.summary.prefix_count,
+            entry_count: state.summary.entry_count,
+            mean_hit_rate: state.summary.mean_hit_rate,
+            mean_pressure: state.summary.mean_pressure,
+            cache_memory_bytes: state.summary.cache_memory_bytes,
+        };
+        let replicas = state
+            .replicas
+            .into_iter()
+            .map(|r| match r.stats {
+                Some(s) => ReplicaStats {
+                    replica_id: r.replica_id,
+                    cache_memory_bytes: s.cache_memory_bytes,
+                    hit_rate: s.hit_rate,
+                    pressure: s.pressure,
+                    client_version: s.client_version,
+                    t2_hit_tokens: s.t2_hit_tokens,
+                    t2_query_tokens: s.t2_query_tokens,
+                },
+                None => ReplicaStats {
+                    replica_id: r.replica_id,
+                    ..Default::default()
+                },
+            })
+            .collect();
         Ok(Response::new(GetCacheStateResponse {
-            replicas: Vec::new(),
-            summary: Some(CacheSummary::default()),
+            replicas,
+            summary: Some(summary),
         }))
     }
 
@@ -104,7 +151,9 @@ impl InferenceCache for CacheService {
                 status.message()
             ))
         })? {
-            tracing::trace!(replica = %update.replica_id, prefixes = update.prefixes.len(), "update");
+            let update = cache_update(update);
+            let report = self.index.index.ingest(&update);
+            self.index.record_ingest(&report);
         }
         Ok(Response::new(Ack {
             accepted: true,
@@ -112,8 +161,30 @@ impl InferenceCache for CacheService {
         }))
     }
 
-    async fn publish_event(&self, _request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
+    async fn publish_event(&self, request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
         self.metrics.record_rpc("PublishEvent");
+        let event = request.into_inner();
+        let kind = match cache_event::Type::try_from(event.r#type) {
+            Ok(cache_event::Type::PrefixAdded) => index::EventKind::PrefixAdded,
+            Ok(cache_event::Type::PrefixEvicted) => index::EventKind::PrefixEvicted,
+            Ok(cache_event::Type::ReplicaUpdated) => index::EventKind::ReplicaUpdated,
+            Ok(cache_event::Type::AllCleared) => index::EventKind::AllCleared,
+            Ok(cache_event::Type::Unspecified) | Err(_) => {
+                return Ok(Response::new(Ack {
+                    accepted: false,
+                    reason_code: UNKNOWN_EVENT_TYPE.to_owned(),
+                }));
+            }
+        };
+        let report = self.index.index.publish(&index::CacheEvent {
+            kind,
+            replica_id: event.replica_id,
+            model_id: event.model_id,
+            tenant_id: event.tenant_id,
+            prefix_hash: event.prefix_hash,
+            adapter_id: event.adapter_id,
+        });
+        self.index.record_event_removals(report.entries_removed);
         Ok(Response::new(Ack {
             accepted: true,
             reason_code: reason::OK.to_owned(),
@@ -138,5 +209,199 @@ impl InferenceCache for CacheService {
     ) -> Result<Response<Self::StreamMetricsStream>, Status> {
         self.metrics.record_rpc("StreamMetrics");
         Ok(Response::new(Box::pin(futures::stream::empty())))
+    }
+}
+
+/// Ack reason of a PublishEvent whose type is unspecified or unknown.
+const UNKNOWN_EVENT_TYPE: &str = "UNKNOWN_EVENT_TYPE";
+
+/// Which prompt input a LookupRoute uses, by the contract's precedence.
+#[derive(Debug, PartialEq)]
+pub(crate) enum ResolvedInput {
+    /// A wire `block_hashes` chain (valid: parallel arrays of equal, non-zero length).
+    WireChain,
+    /// A wire chain whose arrays disagree in length: malformed, NO_HINT.
+    MalformedChain,
+    /// The legacy exact `prefix_hash`.
+    ExactHash,
+    /// `token_ids` fingerprinted with the engine block size (may be empty when too short).
+    Tokens(inference_cache_fingerprint::RequestChain),
+    /// Text or messages that need a tokenizer the server does not have: fail open.
+    NeedsTokenizer,
+    /// Nothing to fingerprint.
+    Nothing,
+}
+
+/// Resolves the request's prompt input: chain > prefix_hash > token_ids > messages /
+/// raw_prompt / prompt_text. Every input mode funnels through here.
+pub(crate) fn resolve_input(request: &LookupRouteRequest, block_size: usize) -> ResolvedInput {
+    let chain_len = request.block_hashes.len();
+    if chain_len > 0 || !request.block_token_counts.is_empty() {
+        return if chain_len == request.block_token_counts.len() {
+            ResolvedInput::WireChain
+        } else {
+            ResolvedInput::MalformedChain
+        };
+    }
+    if !request.prefix_hash.is_empty() {
+        return ResolvedInput::ExactHash;
+    }
+    if !request.token_ids.is_empty() {
+        return ResolvedInput::Tokens(inference_cache_fingerprint::request_chain(
+            &request.token_ids,
+            block_size,
+        ));
+    }
+    if !request.messages.is_empty()
+        || !request.raw_prompt.is_empty()
+        || !request.prompt_text.is_empty()
+    {
+        return ResolvedInput::NeedsTokenizer;
+    }
+    ResolvedInput::Nothing
+}
+
+/// Resolves the input and asks the index.
+fn lookup(
+    state: &IndexState,
+    request: &LookupRouteRequest,
+    arrived: Instant,
+    deadline: Option<Instant>,
+) -> index::LookupOutcome {
+    let input = resolve_input(request, state.engine_block_size);
+    let mut query =
+        index::LookupRequest::new(&request.tenant_id, &request.model_id, &request.hash_scheme);
+    query.adapter_id = &request.adapter_id;
+    query.slo_ttft_ms = request.slo.as_ref().map_or(0, |s| s.ttft_ms);
+    query.arrived = arrived;
+    query.deadline = deadline;
+    match &input {
+        ResolvedInput::WireChain => {
+            query.chain = Some(index::Chain {
+                hashes: index::BlockHashes::Bytes(&request.block_hashes),
+                token_counts: &request.block_token_counts,
+            });
+            query.wire_chain = true;
+            query.prefix_hash = &request.prefix_hash;
+            query.prefix_token_count = request.prefix_token_count;
+        }
+        ResolvedInput::MalformedChain => query.chain_malformed = true,
+        ResolvedInput::ExactHash => {
+            query.prefix_hash = &request.prefix_hash;
+            query.prefix_token_count = request.prefix_token_count;
+        }
+        ResolvedInput::Tokens(chain) => {
+            query.chain = Some(index::Chain {
+                hashes: index::BlockHashes::Fixed(&chain.block_hashes),
+                token_counts: &chain.block_token_counts,
+            });
+        }
+        ResolvedInput::NeedsTokenizer | ResolvedInput::Nothing => {}
+    }
+    let mut outcome = state.index.lookup(&query);
+    if input == ResolvedInput::NeedsTokenizer && outcome.reason == index::Reason::NoHint {
+        // Tokenizer fail-open envelope: returned before the index is consulted.
+        outcome.adapter_id.clear();
+    }
+    outcome
+}
+
+fn replica_score(s: index::ReplicaScore) -> ReplicaScore {
+    ReplicaScore {
+        replica_id: s.replica_id.to_string(),
+        score: s.score,
+        matched_tokens: s.matched_tokens,
+        estimated_cache_hit_prob: s.estimated_cache_hit_prob,
+        tier: s.tier as i32,
+    }
+}
+
+fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
+    index::CacheUpdate {
+        replica_id: update.replica_id,
+        model_id: update.model_id,
+        tenant_id: update.tenant_id,
+        hash_scheme: update.hash_scheme,
+        adapter_id: update.adapter_id,
+        prefixes: update
+            .prefixes
+            .into_iter()
+            .map(|p| index::PrefixReport {
+                prefix_hash: p.prefix_hash,
+                token_count: p.token_count,
+                block_hashes: p.block_hashes,
+                block_token_counts: p.block_token_counts,
+                tier: index::Tier::from_i32(p.tier),
+                adapter_id: p.adapter_id,
+            })
+            .collect(),
+        stats: update.stats.map(|s| index::ReplicaStatsReport {
+            replica_id: s.replica_id,
+            cache_memory_bytes: s.cache_memory_bytes,
+            hit_rate: s.hit_rate,
+            pressure: s.pressure,
+            client_version: s.client_version,
+            t2_hit_tokens: s.t2_hit_tokens,
+            t2_query_tokens: s.t2_query_tokens,
+        }),
+    }
+}
+
+/// The caller's `grpc-timeout` (e.g. `100m`), if any.
+fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_precedence() {
+        let mut r = LookupRouteRequest {
+            prompt_text: "hi".into(),
+            ..Default::default()
+        };
+        assert_eq!(resolve_input(&r, 16), ResolvedInput::NeedsTokenizer);
+        r.token_ids = (0..40).collect();
+        match resolve_input(&r, 16) {
+            ResolvedInput::Tokens(chain) => assert_eq!(chain.block_token_counts, vec![16, 16]),
+            other => panic!("{other:?}"),
+        }
+        r.prefix_hash = vec![1; 8];
+        assert_eq!(resolve_input(&r, 16), ResolvedInput::ExactHash);
+        r.block_hashes = vec![vec![1; 8]];
+        assert_eq!(resolve_input(&r, 16), ResolvedInput::MalformedChain);
+        r.block_token_counts = vec![16];
+        assert_eq!(resolve_input(&r, 16), ResolvedInput::WireChain);
+        assert_eq!(
+            resolve_input(&LookupRouteRequest::default(), 16),
+            ResolvedInput::Nothing
+        );
+    }
+
+    #[test]
+    fn grpc_timeout_units() {
+        let mut m = tonic::metadata::MetadataMap::new();
+        assert_eq!(grpc_timeout(&m), None);
+        m.insert("grpc-timeout", "250m".parse().expect("ascii"));
+        assert_eq!(
+            grpc_timeout(&m),
+            Some(std::time::Duration::from_millis(250))
+        );
+        m.insert("grpc-timeout", "3S".parse().expect("ascii"));
+        assert_eq!(grpc_timeout(&m), Some(std::time::Duration::from_secs(3)));
     }
 }

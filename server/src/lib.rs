@@ -20,9 +20,11 @@
 mod admin;
 mod config;
 mod grpc;
+mod index_runtime;
 mod metrics;
 mod run;
 
 pub use config::ServeConfig;
+pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use metrics::Metrics;
 pub use run::{RunningServer, start};

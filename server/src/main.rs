@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use inference_cache_server::{ServeConfig, start};
+use inference_cache_server::{IndexArgs, ServeConfig, start};
 use tracing_subscriber::EnvFilter;
 
 /// KV-cache-aware routing hints for LLM gateways.
@@ -54,6 +54,9 @@ struct ServeArgs {
         env = "INFERENCE_CACHE_ADMIN_ADDR"
     )]
     admin_addr: SocketAddr,
+
+    #[command(flatten)]
+    index: IndexArgs,
 }
 
 impl ServeArgs {
@@ -61,6 +64,7 @@ impl ServeArgs {
         ServeConfig {
             grpc_addr: self.grpc_addr,
             admin_addr: self.admin_addr,
+            index: self.index.into_settings(),
         }
     }
 }

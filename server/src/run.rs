@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::ServeConfig;
 use crate::grpc::CacheService;
+use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
 
 /// A started server. Dropping it does not stop it; call [`RunningServer::shutdown`].
@@ -47,7 +48,9 @@ impl RunningServer {
 
 /// Binds the listeners and starts serving in the background.
 pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
-    let metrics = Arc::new(Metrics::new());
+    let mut metrics = Metrics::new();
+    let index = Arc::new(IndexState::new(&config.index, metrics.registry_mut())?);
+    let metrics = Arc::new(metrics);
     let grpc_listener = TcpListener::bind(config.grpc_addr)
         .await
         .with_context(|| format!("binding the gRPC listener on {}", config.grpc_addr))?;
@@ -71,9 +74,11 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .context("building gRPC reflection (v1alpha)")?;
-    let service = InferenceCacheServer::new(CacheService::new(Arc::clone(&metrics)));
+    let service =
+        InferenceCacheServer::new(CacheService::new(Arc::clone(&metrics), Arc::clone(&index)));
 
     let shutdown = CancellationToken::new();
+    index.spawn_background(config.index.sweep_interval, shutdown.clone());
     let ready = Arc::new(AtomicBool::new(true));
     metrics.server_up.set(1);
 
@@ -94,7 +99,7 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
             metrics: Arc::clone(&metrics),
             ready: Arc::clone(&ready),
         };
-        axum::serve(admin_listener, admin::router(state))
+        axum::serve(admin_listener, admin::router(state).merge(index.routes()))
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
     };
     let on_shutdown = {

@@ -1,0 +1,445 @@
+//! The cache index inside the server: settings and flags, start-up, the
+//! background TTL / capacity sweep, policy-file reload (on change and on
+//! SIGHUP, keeping the last good policy), index metrics, and the admin
+//! routes `GET /policy` and `GET /snapshot`.
+//!
+//! Everything here speaks the index crate's plain types; the gRPC handlers in
+//! `grpc.rs` translate wire messages to and from them.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use inference_cache_index::{
+    CacheIndex, Clock, DropReason, EvictionReason, IngestReport, PolicySet, SweepReport,
+    SystemClock,
+};
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+/// Flags of the cache index, flattened into `inference-cache serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IndexArgs {
+    /// YAML stream of CachePolicy objects (namespace "*" is the default); re-read on change and on SIGHUP.
+    #[arg(long, env = "INFERENCE_CACHE_POLICY_FILE")]
+    pub policy_file: Option<PathBuf>,
+
+    /// Global cap on block-replica entries; the sweep evicts above it.
+    #[arg(long, default_value_t = inference_cache_index::DEFAULT_MAX_ENTRIES, env = "INFERENCE_CACHE_MAX_INDEX_ENTRIES")]
+    pub max_index_entries: u64,
+
+    /// Engine KV block size used to fingerprint token_ids (must match the engines and the subscriber).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), env = "INFERENCE_CACHE_ENGINE_BLOCK_SIZE")]
+    pub engine_block_size: u32,
+
+    /// Interval of the background TTL / capacity sweep (e.g. 10s, 1m).
+    #[arg(long, default_value = "10s", value_parser = parse_interval, env = "INFERENCE_CACHE_SWEEP_INTERVAL")]
+    pub sweep_interval: Duration,
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let d = inference_cache_index::parse_duration(text)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
+}
+
+impl IndexArgs {
+    /// Resolves the flags into settings.
+    pub fn into_settings(self) -> IndexSettings {
+        IndexSettings {
+            policy_file: self.policy_file,
+            max_index_entries: self.max_index_entries,
+            engine_block_size: self.engine_block_size as usize,
+            sweep_interval: self.sweep_interval,
+            clock: ClockHandle::default(),
+        }
+    }
+}
+
+/// The time source of the index; compares equal to any other (it is not configuration).
+#[derive(Clone)]
+pub struct ClockHandle(pub Arc<dyn Clock>);
+
+impl Default for ClockHandle {
+    fn default() -> Self {
+        Self(Arc::new(SystemClock))
+    }
+}
+
+impl fmt::Debug for ClockHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ClockHandle")
+    }
+}
+
+impl PartialEq for ClockHandle {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for ClockHandle {}
+
+/// Resolved settings of the cache index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexSettings {
+    /// Policy file, if any.
+    pub policy_file: Option<PathBuf>,
+    /// Global entry cap.
+    pub max_index_entries: u64,
+    /// Tokens per engine KV block.
+    pub engine_block_size: usize,
+    /// Background sweep interval.
+    pub sweep_interval: Duration,
+    /// Time source (tests inject a manual clock).
+    pub clock: ClockHandle,
+}
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        Self {
+            policy_file: None,
+            max_index_entries: inference_cache_index::DEFAULT_MAX_ENTRIES,
+            engine_block_size: 16,
+            sweep_interval: Duration::from_secs(10),
+            clock: ClockHandle::default(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: String,
+}
+
+/// Index metrics, registered in the server's registry.
+#[derive(Debug, Clone, Default)]
+pub struct IndexMetrics {
+    entries: Gauge,
+    prefixes: Gauge,
+    evictions: Family<ReasonLabel, Counter>,
+    ingest_updates: Counter,
+    ingest_entries: Counter,
+    ingest_dropped: Family<ReasonLabel, Counter>,
+    policy_reloads: Family<ResultLabel, Counter>,
+}
+
+impl IndexMetrics {
+    /// Registers every index metric in `registry` (prefix `inferencecache`).
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "index_entries",
+            "Block-replica entries in the index",
+            m.entries.clone(),
+        );
+        registry.register(
+            "index_prefixes",
+            "Distinct prefix keys in the index",
+            m.prefixes.clone(),
+        );
+        registry.register(
+            "index_evictions",
+            "Entries removed from the index by reason (ttl, capacity, quota, event)",
+            m.evictions.clone(),
+        );
+        registry.register(
+            "ingest_updates",
+            "CacheStateUpdate messages ingested",
+            m.ingest_updates.clone(),
+        );
+        registry.register(
+            "ingest_entries",
+            "Block-replica entries written (added or refreshed) by ingest",
+            m.ingest_entries.clone(),
+        );
+        registry.register(
+            "ingest_dropped",
+            "Prefix entries dropped at ingest by reason",
+            m.ingest_dropped.clone(),
+        );
+        registry.register(
+            "policy_reload",
+            "Policy file loads by result (success, error)",
+            m.policy_reloads.clone(),
+        );
+        for reason in EvictionReason::ALL {
+            let _ = m.evictions.get_or_create(&label(reason.as_str()));
+        }
+        for reason in DropReason::ALL {
+            let _ = m.ingest_dropped.get_or_create(&label(reason.as_str()));
+        }
+        m
+    }
+}
+
+fn label(reason: &str) -> ReasonLabel {
+    ReasonLabel {
+        reason: reason.to_owned(),
+    }
+}
+
+/// The index and everything the handlers need next to it.
+pub struct IndexState {
+    /// The index.
+    pub index: Arc<CacheIndex>,
+    /// Tokens per engine KV block (token_ids → chain).
+    pub engine_block_size: usize,
+    metrics: IndexMetrics,
+    policy_file: Option<PathBuf>,
+    last_reload_error: Mutex<Option<String>>,
+}
+
+impl IndexState {
+    /// Builds the index and loads the policy file; a bad file fails start-up.
+    pub fn new(settings: &IndexSettings, registry: &mut Registry) -> anyhow::Result<Self> {
+        let index = Arc::new(CacheIndex::new(
+            Arc::clone(&settings.clock.0),
+            settings.max_index_entries,
+        ));
+        let state = Self {
+            index,
+            engine_block_size: settings.engine_block_size.max(1),
+            metrics: IndexMetrics::register(registry),
+            policy_file: settings.policy_file.clone(),
+            last_reload_error: Mutex::new(None),
+        };
+        if let Some(path) = &state.policy_file {
+            let policies = read_policies(path)?;
+            tracing::info!(path = %path.display(), namespaces = policies.len(), "policy loaded");
+            state.index.set_policies(policies);
+            state.count_reload("success");
+        }
+        Ok(state)
+    }
+
+    fn count_reload(&self, result: &str) {
+        self.metrics
+            .policy_reloads
+            .get_or_create(&ResultLabel {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Re-reads the policy file; on error logs, counts and keeps the policy in force.
+    pub fn reload_policies(&self) -> bool {
+        let Some(path) = &self.policy_file else {
+            return false;
+        };
+        match read_policies(path) {
+            Ok(policies) => {
+                tracing::info!(path = %path.display(), namespaces = policies.len(), "policy reloaded");
+                self.index.set_policies(policies);
+                *self.last_reload_error.lock() = None;
+                self.count_reload("success");
+                true
+            }
+            Err(error) => {
+                tracing::error!(path = %path.display(), "policy reload failed, keeping the last good policy: {error:#}");
+                *self.last_reload_error.lock() = Some(format!("{error:#}"));
+                self.count_reload("error");
+                false
+            }
+        }
+    }
+
+    /// Records an ingest report in the metrics.
+    pub fn record_ingest(&self, report: &IngestReport) {
+        self.metrics.ingest_updates.inc();
+        self.metrics.ingest_entries.inc_by(report.entries_written);
+        for (reason, n) in &report.dropped {
+            self.metrics
+                .ingest_dropped
+                .get_or_create(&label(reason.as_str()))
+                .inc_by(*n);
+        }
+        self.refresh_gauges();
+    }
+
+    /// Records entries removed by a producer event.
+    pub fn record_event_removals(&self, removed: u64) {
+        if removed > 0 {
+            self.metrics
+                .evictions
+                .get_or_create(&label(EvictionReason::Event.as_str()))
+                .inc_by(removed);
+        }
+        self.refresh_gauges();
+    }
+
+    /// Runs one sweep and records it.
+    pub fn sweep(&self) -> SweepReport {
+        let report = self.index.sweep();
+        for (reason, n) in [
+            (EvictionReason::Ttl, report.ttl),
+            (EvictionReason::Quota, report.quota),
+            (EvictionReason::Capacity, report.capacity),
+        ] {
+            if n > 0 {
+                self.metrics
+                    .evictions
+                    .get_or_create(&label(reason.as_str()))
+                    .inc_by(n);
+            }
+        }
+        self.refresh_gauges();
+        report
+    }
+
+    fn refresh_gauges(&self) {
+        self.metrics.entries.set(self.index.entry_count());
+        self.metrics.prefixes.set(self.index.prefix_count());
+    }
+
+    /// Starts the sweep loop and the policy watchers; they stop with `shutdown`.
+    pub fn spawn_background(self: &Arc<Self>, interval: Duration, shutdown: CancellationToken) {
+        let state = Arc::clone(self);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker.tick().await;
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = ticker.tick() => {
+                        let s = Arc::clone(&state);
+                        let report = tokio::task::spawn_blocking(move || s.sweep()).await;
+                        if let Ok(r) = report
+                            && r != SweepReport::default()
+                        {
+                            tracing::debug!(ttl = r.ttl, quota = r.quota, capacity = r.capacity, "sweep");
+                        }
+                    }
+                }
+            }
+        });
+        if let Some(path) = self.policy_file.clone() {
+            self.spawn_policy_watch(path, shutdown);
+        }
+    }
+
+    fn spawn_policy_watch(self: &Arc<Self>, path: PathBuf, shutdown: CancellationToken) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let watcher = file_watcher(&path, tx.clone());
+        let state = Arc::clone(self);
+        tokio::spawn(async move {
+            let _watcher = watcher;
+            let mut hangup =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            loop {
+                let hup = async {
+                    match hangup.as_mut() {
+                        Some(s) => s.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    Some(()) = rx.recv() => {
+                        // Editors write in several steps: let the burst settle.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        while rx.try_recv().is_ok() {}
+                        state.reload_policies();
+                    }
+                    _ = hup => {
+                        tracing::info!("SIGHUP: reloading policy");
+                        state.reload_policies();
+                    }
+                }
+            }
+        });
+    }
+
+    /// Admin routes: `GET /policy` and `GET /snapshot`.
+    pub fn routes(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/policy", get(policy_route))
+            .route("/snapshot", get(snapshot_route))
+            .with_state(Arc::clone(self))
+    }
+}
+
+fn read_policies(path: &Path) -> anyhow::Result<PolicySet> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading policy file {}", path.display()))?;
+    PolicySet::from_yaml(&text).with_context(|| format!("policy file {}", path.display()))
+}
+
+fn file_watcher(
+    path: &Path,
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+) -> Option<notify::RecommendedWatcher> {
+    use notify::Watcher as _;
+    let name = path.file_name()?.to_owned();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let handler = move |event: notify::Result<notify::Event>| {
+        if let Ok(event) = event
+            && !event.kind.is_access()
+            && event.paths.iter().any(|p| p.file_name() == Some(&name))
+        {
+            let _ = tx.send(());
+        }
+    };
+    match notify::recommended_watcher(handler) {
+        Ok(mut watcher) => match watcher.watch(&dir, notify::RecursiveMode::NonRecursive) {
+            Ok(()) => Some(watcher),
+            Err(error) => {
+                tracing::warn!(dir = %dir.display(), %error, "cannot watch the policy file; SIGHUP still reloads");
+                None
+            }
+        },
+        Err(error) => {
+            tracing::warn!(%error, "no file watcher; SIGHUP still reloads the policy");
+            None
+        }
+    }
+}
+
+async fn policy_route(State(state): State<Arc<IndexState>>) -> impl IntoResponse {
+    let body = serde_json::json!({
+        "source": state.policy_file.as_ref().map(|p| p.display().to_string()),
+        "lastReloadError": *state.last_reload_error.lock(),
+        "policies": &*state.index.policies(),
+    });
+    json(body)
+}
+
+async fn snapshot_route(State(state): State<Arc<IndexState>>) -> impl IntoResponse {
+    let index = Arc::clone(&state.index);
+    let snapshot = tokio::task::spawn_blocking(move || index.snapshot()).await;
+    match snapshot {
+        Ok(s) => json(serde_json::to_value(s).unwrap_or_default()),
+        Err(_) => json(serde_json::Value::Null),
+    }
+}
+
+fn json(value: serde_json::Value) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+}
