@@ -6,29 +6,29 @@
 //! lora_id?, medium?, lora_name?, ...]`, `["BlockRemoved", block_hashes,
 //! medium?, ...]`, `["AllBlocksCleared", ...]` (vLLM ≤ 0.23) — or a map
 //! with a `"type"` key and named fields (vLLM ≥ 0.24). Trailing array items
-//! and unknown map keys are ignored, so newer engine versions still decode.
+//! and unknown map keys are skipped, so newer engine versions still decode.
 //!
 //! A payload that is not a batch at all is a [`DecodeError`]; a single
 //! event that cannot be read (or has an unknown type) is skipped and counted
 //! in [`EventBatch::skipped_events`], the rest of the batch still applies.
 //!
-//! Cost: one borrowed pass over the bytes (`rmpv::ValueRef`, no string or
-//! binary copies), then one owned copy of hashes and token ids.
-
-use rmpv::ValueRef;
+//! Cost: one forward pass over the bytes with a small msgpack reader of our
+//! own — no intermediate value tree — writing hashes and token ids straight
+//! into their vectors. Nesting is bounded, so hostile input cannot recurse
+//! deeply or allocate more than its own length.
 
 use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
 
-/// Nesting limit of a payload; vLLM batches are three levels deep.
-const MAX_DEPTH: usize = 16;
+/// Nesting limit when skipping unknown values; vLLM batches are 3 levels deep.
+const MAX_DEPTH: usize = 32;
 
 /// Why a payload is not a KV-event batch.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// The bytes are not one msgpack value.
+    /// The bytes are not valid msgpack (truncated, reserved marker, too deep).
     #[error("not msgpack: {0}")]
-    Msgpack(String),
+    Msgpack(&'static str),
     /// Bytes left after the batch value.
     #[error("{0} trailing bytes after the batch")]
     TrailingBytes(usize),
@@ -39,182 +39,450 @@ pub enum DecodeError {
 
 /// Decodes one payload frame.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut rest = payload;
-    let value = rmpv::decode::read_value_ref_with_max_depth(&mut rest, MAX_DEPTH)
-        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(DecodeError::TrailingBytes(rest.len()));
-    }
-    let (ts, events, rank) = match &value {
-        ValueRef::Array(items) => {
-            if items.len() < 2 {
+    let mut reader = Reader { buf: payload };
+    let batch = match reader.peek()? {
+        0x90..=0x9f | 0xdc | 0xdd => {
+            let len = reader.array_len()?;
+            if len < 2 {
                 return Err(DecodeError::Shape("batch array shorter than [ts, events]"));
             }
-            (&items[0], &items[1], items.get(2))
+            let ts = reader
+                .number()?
+                .ok_or(DecodeError::Shape("ts is not a number"))?;
+            let mut batch = EventBatch {
+                ts,
+                ..EventBatch::default()
+            };
+            read_events(&mut reader, &mut batch)?;
+            if len >= 3 {
+                batch.data_parallel_rank = reader.optional_int()?;
+            }
+            for _ in 3..len {
+                reader.skip(0)?;
+            }
+            batch
         }
-        ValueRef::Map(entries) => {
-            let ts = map_get(entries, "ts").ok_or(DecodeError::Shape("batch map without ts"))?;
-            let events =
-                map_get(entries, "events").ok_or(DecodeError::Shape("batch map without events"))?;
-            (ts, events, map_get(entries, "data_parallel_rank"))
+        0x80..=0x8f | 0xde | 0xdf => {
+            let len = reader.map_len()?;
+            let mut batch = EventBatch::default();
+            let (mut has_ts, mut has_events) = (false, false);
+            for _ in 0..len {
+                match reader.str()? {
+                    Some("ts") => {
+                        batch.ts = reader
+                            .number()?
+                            .ok_or(DecodeError::Shape("ts is not a number"))?;
+                        has_ts = true;
+                    }
+                    Some("events") => {
+                        read_events(&mut reader, &mut batch)?;
+                        has_events = true;
+                    }
+                    Some("data_parallel_rank") => {
+                        batch.data_parallel_rank = reader.optional_int()?
+                    }
+                    _ => reader.skip(0)?,
+                }
+            }
+            if !has_ts || !has_events {
+                return Err(DecodeError::Shape("batch map without ts or events"));
+            }
+            batch
         }
         _ => return Err(DecodeError::Shape("batch is neither an array nor a map")),
     };
-    let ts = number(ts).ok_or(DecodeError::Shape("ts is not a number"))?;
-    let ValueRef::Array(raw_events) = events else {
-        return Err(DecodeError::Shape("events is not an array"));
-    };
-    let data_parallel_rank = rank.and_then(|r| match r {
-        ValueRef::Integer(i) => i.as_i64(),
-        _ => None,
-    });
-    let mut batch = EventBatch {
-        ts,
-        events: Vec::with_capacity(raw_events.len()),
-        data_parallel_rank,
-        skipped_events: 0,
-    };
-    for raw in raw_events {
-        match decode_event(raw) {
-            Some(event) => batch.events.push(event),
-            None => batch.skipped_events += 1,
-        }
+    if !reader.buf.is_empty() {
+        return Err(DecodeError::TrailingBytes(reader.buf.len()));
     }
     Ok(batch)
 }
 
-/// One event in either layout; `None` when unreadable or of an unknown type.
-fn decode_event(value: &ValueRef<'_>) -> Option<KvEvent> {
-    match value {
-        ValueRef::Array(items) => {
-            let tag = text(items.first()?)?;
-            let field = |i: usize| items.get(i);
-            decode_fields(tag, field, |_| None)
-        }
-        ValueRef::Map(entries) => {
-            let tag = text(map_get(entries, "type")?)?;
-            decode_fields(tag, |_| None, |name| map_get(entries, name))
-        }
-        _ => None,
+fn read_events(reader: &mut Reader<'_>, batch: &mut EventBatch) -> Result<(), DecodeError> {
+    if !matches!(reader.peek()?, 0x90..=0x9f | 0xdc | 0xdd) {
+        return Err(DecodeError::Shape("events is not an array"));
     }
+    let count = reader.array_len()?;
+    batch.events.reserve(count.min(reader.buf.len()));
+    for _ in 0..count {
+        let start = reader.buf;
+        match read_event(reader) {
+            Ok(Some(event)) => batch.events.push(event),
+            Ok(None) => batch.skipped_events += 1,
+            Err(_) => {
+                // Unreadable as an event: step over it as a plain value.
+                reader.buf = start;
+                reader.skip(0)?;
+                batch.skipped_events += 1;
+            }
+        }
+    }
+    Ok(())
 }
 
-/// Reads an event's fields by position (array layout) or name (map layout).
-fn decode_fields<'v, 'a: 'v>(
-    tag: &str,
-    by_index: impl Fn(usize) -> Option<&'v ValueRef<'a>>,
-    by_name: impl Fn(&str) -> Option<&'v ValueRef<'a>>,
-) -> Option<KvEvent> {
-    let get = |index: usize, name: &str| by_index(index).or_else(|| by_name(name));
-    match tag {
-        "BlockStored" => {
-            let block_hashes = hashes(get(1, "block_hashes")?)?;
-            let parent_block_hash = match get(2, "parent_block_hash") {
-                None | Some(ValueRef::Nil) => None,
-                Some(v) => Some(hash(v)?),
-            };
-            let token_ids = tokens(get(3, "token_ids")?)?;
-            let block_size = match get(4, "block_size")? {
-                ValueRef::Integer(i) => u32::try_from(i.as_u64()?).ok()?,
-                _ => return None,
-            };
-            let lora_id = match get(5, "lora_id") {
-                None | Some(ValueRef::Nil) => None,
-                Some(ValueRef::Integer(i)) => Some(i.as_i64()?),
-                Some(_) => return None,
-            };
-            let medium = optional_text(get(6, "medium"))?;
-            let lora_name = optional_text(get(7, "lora_name"))?;
-            Some(KvEvent::Stored(BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                lora_id,
-                medium,
-                lora_name,
-            }))
+/// Fields of an event in either layout, before the tag decides the type.
+#[derive(Default)]
+struct Fields {
+    block_hashes: Option<Vec<EngineHash>>,
+    parent_block_hash: Option<EngineHash>,
+    token_ids: Option<Vec<u32>>,
+    block_size: Option<u32>,
+    lora_id: Option<i64>,
+    medium: Option<String>,
+    lora_name: Option<String>,
+}
+
+/// One event; `Ok(None)` for an unknown type, `Err` when unreadable (the
+/// caller then skips the whole value).
+fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
+    const BAD: DecodeError = DecodeError::Shape("bad event field");
+    let mut fields = Fields::default();
+    let tag: String;
+    match reader.peek()? {
+        0x90..=0x9f | 0xdc | 0xdd => {
+            let len = reader.array_len()?;
+            if len == 0 {
+                return Err(BAD);
+            }
+            tag = reader.str()?.ok_or(BAD)?.to_owned();
+            // Positions depend on the type; other types' fields are skipped.
+            let (stored, removed) = (tag == "BlockStored", tag == "BlockRemoved");
+            for index in 1..len {
+                match (stored, removed, index) {
+                    (true, _, 1) | (_, true, 1) => fields.block_hashes = Some(reader.hashes()?),
+                    (true, _, 2) => fields.parent_block_hash = reader.optional_hash()?,
+                    (true, _, 3) => fields.token_ids = Some(reader.tokens()?),
+                    (true, _, 4) => fields.block_size = Some(reader.u32()?),
+                    (true, _, 5) => fields.lora_id = reader.optional_int()?,
+                    (true, _, 6) | (_, true, 2) => fields.medium = reader.optional_string()?,
+                    (true, _, 7) => fields.lora_name = reader.optional_string()?,
+                    _ => reader.skip(0)?,
+                }
+            }
         }
-        "BlockRemoved" => {
-            let block_hashes = hashes(get(1, "block_hashes")?)?;
-            let medium = optional_text(get(2, "medium"))?;
-            Some(KvEvent::Removed(BlockRemoved {
-                block_hashes,
-                medium,
-            }))
+        0x80..=0x8f | 0xde | 0xdf => {
+            let len = reader.map_len()?;
+            let mut found_tag = None;
+            for _ in 0..len {
+                match reader.str()? {
+                    Some("type") => found_tag = Some(reader.str()?.ok_or(BAD)?.to_owned()),
+                    Some("block_hashes") => fields.block_hashes = Some(reader.hashes()?),
+                    Some("parent_block_hash") => {
+                        fields.parent_block_hash = reader.optional_hash()?;
+                    }
+                    Some("token_ids") => fields.token_ids = Some(reader.tokens()?),
+                    Some("block_size") => fields.block_size = Some(reader.u32()?),
+                    Some("lora_id") => fields.lora_id = reader.optional_int()?,
+                    Some("medium") => fields.medium = reader.optional_string()?,
+                    Some("lora_name") => fields.lora_name = reader.optional_string()?,
+                    _ => reader.skip(0)?,
+                }
+            }
+            tag = found_tag.ok_or(BAD)?;
         }
+        _ => return Err(BAD),
+    }
+    Ok(match tag.as_str() {
+        "BlockStored" => Some(KvEvent::Stored(BlockStored {
+            block_hashes: fields.block_hashes.ok_or(BAD)?,
+            parent_block_hash: fields.parent_block_hash,
+            token_ids: fields.token_ids.ok_or(BAD)?,
+            block_size: fields.block_size.ok_or(BAD)?,
+            lora_id: fields.lora_id,
+            medium: fields.medium,
+            lora_name: fields.lora_name,
+        })),
+        "BlockRemoved" => Some(KvEvent::Removed(BlockRemoved {
+            block_hashes: fields.block_hashes.ok_or(BAD)?,
+            medium: fields.medium,
+        })),
         "AllBlocksCleared" => Some(KvEvent::AllCleared),
         _ => None,
+    })
+}
+
+/// A msgpack integer, widened.
+enum Int {
+    Unsigned(u64),
+    Signed(i64),
+}
+
+/// Forward-only msgpack reader over a byte slice.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+const TRUNCATED: DecodeError = DecodeError::Msgpack("truncated");
+const TYPE: DecodeError = DecodeError::Shape("unexpected msgpack type");
+
+impl<'a> Reader<'a> {
+    fn peek(&self) -> Result<u8, DecodeError> {
+        self.buf.first().copied().ok_or(TRUNCATED)
     }
-}
 
-/// `Some(None)` for an absent or nil field, `Some(Some(s))` for a string,
-/// `None` (malformed) for anything else.
-fn optional_text(value: Option<&ValueRef<'_>>) -> Option<Option<String>> {
-    match value {
-        None | Some(ValueRef::Nil) => Some(None),
-        Some(v) => text(v).map(|s| Some(s.to_owned())),
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.buf.len() < n {
+            return Err(TRUNCATED);
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
     }
-}
 
-fn map_get<'v, 'a>(
-    entries: &'v [(ValueRef<'a>, ValueRef<'a>)],
-    key: &str,
-) -> Option<&'v ValueRef<'a>> {
-    entries
-        .iter()
-        .find(|(k, _)| text(k) == Some(key))
-        .map(|(_, v)| v)
-}
-
-fn text<'v>(value: &'v ValueRef<'_>) -> Option<&'v str> {
-    match value {
-        ValueRef::String(s) => s.as_str(),
-        _ => None,
+    fn byte(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
     }
-}
 
-fn number(value: &ValueRef<'_>) -> Option<f64> {
-    match value {
-        ValueRef::F64(f) => Some(*f),
-        ValueRef::F32(f) => Some(f64::from(*f)),
-        ValueRef::Integer(i) => i
-            .as_i64()
-            .map(|v| v as f64)
-            .or(i.as_u64().map(|v| v as f64)),
-        _ => None,
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        self.take(N)?.try_into().map_err(|_| TRUNCATED)
     }
-}
 
-fn hash(value: &ValueRef<'_>) -> Option<EngineHash> {
-    match value {
-        ValueRef::Integer(i) => i
-            .as_u64()
-            .or_else(|| i.as_i64().map(|v| v.cast_unsigned()))
-            .map(EngineHash::Int),
-        ValueRef::Binary(b) => Some(EngineHash::Bytes((*b).into())),
-        _ => None,
+    fn len_u8(&mut self) -> Result<usize, DecodeError> {
+        Ok(usize::from(self.byte()?))
     }
-}
 
-fn hashes(value: &ValueRef<'_>) -> Option<Vec<EngineHash>> {
-    let ValueRef::Array(items) = value else {
-        return None;
-    };
-    items.iter().map(hash).collect()
-}
+    fn len_u16(&mut self) -> Result<usize, DecodeError> {
+        Ok(usize::from(u16::from_be_bytes(self.be()?)))
+    }
 
-fn tokens(value: &ValueRef<'_>) -> Option<Vec<u32>> {
-    let ValueRef::Array(items) = value else {
-        return None;
-    };
-    items
-        .iter()
-        .map(|item| match item {
-            ValueRef::Integer(i) => i.as_u64().and_then(|v| u32::try_from(v).ok()),
-            _ => None,
+    fn len_u32(&mut self) -> Result<usize, DecodeError> {
+        usize::try_from(u32::from_be_bytes(self.be()?)).map_err(|_| TRUNCATED)
+    }
+
+    /// Checks that `count` items of at least one byte each can still follow.
+    fn plausible(&self, count: usize) -> Result<usize, DecodeError> {
+        if count > self.buf.len() {
+            return Err(TRUNCATED);
+        }
+        Ok(count)
+    }
+
+    fn array_len(&mut self) -> Result<usize, DecodeError> {
+        let count = match self.byte()? {
+            m @ 0x90..=0x9f => usize::from(m & 0x0f),
+            0xdc => self.len_u16()?,
+            0xdd => self.len_u32()?,
+            _ => return Err(TYPE),
+        };
+        self.plausible(count)
+    }
+
+    fn map_len(&mut self) -> Result<usize, DecodeError> {
+        let count = match self.byte()? {
+            m @ 0x80..=0x8f => usize::from(m & 0x0f),
+            0xde => self.len_u16()?,
+            0xdf => self.len_u32()?,
+            _ => return Err(TYPE),
+        };
+        self.plausible(count.saturating_mul(2)).map(|_| count)
+    }
+
+    /// A string; `None` when the value is something else (it is consumed).
+    fn str(&mut self) -> Result<Option<&'a str>, DecodeError> {
+        let len = match self.peek()? {
+            m @ 0xa0..=0xbf => {
+                self.byte()?;
+                usize::from(m & 0x1f)
+            }
+            0xd9 => {
+                self.byte()?;
+                self.len_u8()?
+            }
+            0xda => {
+                self.byte()?;
+                self.len_u16()?
+            }
+            0xdb => {
+                self.byte()?;
+                self.len_u32()?
+            }
+            _ => {
+                self.skip(0)?;
+                return Ok(None);
+            }
+        };
+        Ok(std::str::from_utf8(self.take(len)?).ok())
+    }
+
+    fn optional_string(&mut self) -> Result<Option<String>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.byte()?;
+            return Ok(None);
+        }
+        match self.str()? {
+            Some(s) => Ok(Some(s.to_owned())),
+            None => Err(TYPE),
+        }
+    }
+
+    fn int(&mut self) -> Result<Int, DecodeError> {
+        Ok(match self.byte()? {
+            m @ 0x00..=0x7f => Int::Unsigned(u64::from(m)),
+            m @ 0xe0..=0xff => Int::Signed(i64::from(m.cast_signed())),
+            0xcc => Int::Unsigned(u64::from(self.byte()?)),
+            0xcd => Int::Unsigned(u64::from(u16::from_be_bytes(self.be()?))),
+            0xce => Int::Unsigned(u64::from(u32::from_be_bytes(self.be()?))),
+            0xcf => Int::Unsigned(u64::from_be_bytes(self.be()?)),
+            0xd0 => Int::Signed(i64::from(i8::from_be_bytes(self.be()?))),
+            0xd1 => Int::Signed(i64::from(i16::from_be_bytes(self.be()?))),
+            0xd2 => Int::Signed(i64::from(i32::from_be_bytes(self.be()?))),
+            0xd3 => Int::Signed(i64::from_be_bytes(self.be()?)),
+            _ => return Err(TYPE),
         })
-        .collect()
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        match self.int()? {
+            Int::Unsigned(v) => u32::try_from(v).map_err(|_| TYPE),
+            Int::Signed(v) => u32::try_from(v).map_err(|_| TYPE),
+        }
+    }
+
+    fn optional_int(&mut self) -> Result<Option<i64>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.byte()?;
+            return Ok(None);
+        }
+        match self.int()? {
+            Int::Signed(v) => Ok(Some(v)),
+            Int::Unsigned(v) => i64::try_from(v).map(Some).map_err(|_| TYPE),
+        }
+    }
+
+    /// A float or integer; `None` (consumed) for anything else.
+    fn number(&mut self) -> Result<Option<f64>, DecodeError> {
+        match self.peek()? {
+            0xcb => {
+                self.byte()?;
+                Ok(Some(f64::from_be_bytes(self.be()?)))
+            }
+            0xca => {
+                self.byte()?;
+                Ok(Some(f64::from(f32::from_be_bytes(self.be()?))))
+            }
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xcf | 0xd0..=0xd3 => {
+                Ok(Some(match self.int()? {
+                    Int::Unsigned(v) => v as f64,
+                    Int::Signed(v) => v as f64,
+                }))
+            }
+            _ => {
+                self.skip(0)?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn hash(&mut self) -> Result<EngineHash, DecodeError> {
+        let len = match self.peek()? {
+            0xc4 => {
+                self.byte()?;
+                self.len_u8()?
+            }
+            0xc5 => {
+                self.byte()?;
+                self.len_u16()?
+            }
+            0xc6 => {
+                self.byte()?;
+                self.len_u32()?
+            }
+            _ => {
+                return Ok(EngineHash::Int(match self.int()? {
+                    Int::Unsigned(v) => v,
+                    Int::Signed(v) => v.cast_unsigned(),
+                }));
+            }
+        };
+        Ok(EngineHash::Bytes(self.take(len)?.into()))
+    }
+
+    fn optional_hash(&mut self) -> Result<Option<EngineHash>, DecodeError> {
+        if self.peek()? == 0xc0 {
+            self.byte()?;
+            return Ok(None);
+        }
+        self.hash().map(Some)
+    }
+
+    fn hashes(&mut self) -> Result<Vec<EngineHash>, DecodeError> {
+        let count = self.array_len()?;
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            out.push(self.hash()?);
+        }
+        Ok(out)
+    }
+
+    fn tokens(&mut self) -> Result<Vec<u32>, DecodeError> {
+        let count = self.array_len()?;
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            // Fast path: positive fixint, uint8, uint16, uint32.
+            let token = match self.peek()? {
+                m @ 0x00..=0x7f => {
+                    self.byte()?;
+                    u32::from(m)
+                }
+                0xcc => {
+                    self.byte()?;
+                    u32::from(self.byte()?)
+                }
+                0xcd => {
+                    self.byte()?;
+                    u32::from(u16::from_be_bytes(self.be()?))
+                }
+                0xce => {
+                    self.byte()?;
+                    u32::from_be_bytes(self.be()?)
+                }
+                _ => self.u32()?,
+            };
+            out.push(token);
+        }
+        Ok(out)
+    }
+
+    /// Steps over one value of any type.
+    fn skip(&mut self, depth: usize) -> Result<(), DecodeError> {
+        if depth > MAX_DEPTH {
+            return Err(DecodeError::Msgpack("nested too deeply"));
+        }
+        let marker = self.byte()?;
+        let (bytes, items) = match marker {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, 2 * usize::from(marker & 0x0f)),
+            0x90..=0x9f => (0, usize::from(marker & 0x0f)),
+            0xa0..=0xbf => (usize::from(marker & 0x1f), 0),
+            0xc1 => return Err(DecodeError::Msgpack("reserved marker 0xc1")),
+            0xc4 | 0xd9 => (self.len_u8()?, 0),
+            0xc5 | 0xda => (self.len_u16()?, 0),
+            0xc6 | 0xdb => (self.len_u32()?, 0),
+            0xc7 => (self.len_u8()? + 1, 0),
+            0xc8 => (self.len_u16()? + 1, 0),
+            0xc9 => (self.len_u32()?.saturating_add(1), 0),
+            0xca => (4, 0),
+            0xcb => (8, 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xce | 0xd2 => (4, 0),
+            0xcf | 0xd3 => (8, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xdc => (0, self.len_u16()?),
+            0xdd => (0, self.len_u32()?),
+            0xde => (0, self.len_u16()?.saturating_mul(2)),
+            0xdf => (0, self.len_u32()?.saturating_mul(2)),
+        };
+        self.take(bytes)?;
+        self.plausible(items)?;
+        for _ in 0..items {
+            self.skip(depth + 1)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

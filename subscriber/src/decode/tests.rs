@@ -177,3 +177,79 @@ fn malformed_payloads_are_errors_and_bad_events_are_skipped() {
     assert_eq!(decoded.skipped_events, 4);
     assert_eq!(decoded.events, vec![KvEvent::AllCleared]);
 }
+
+#[test]
+fn batch_as_map_wide_tokens_and_skipped_extensions() {
+    use rmpv::Value;
+    let event = Value::Map(vec![
+        (
+            Value::from("block_hashes"),
+            Value::Array(vec![Value::from(1)]),
+        ),
+        (Value::from("ext"), Value::Ext(5, vec![1, 2, 3])),
+        (Value::from("type"), Value::from("BlockStored")),
+        (Value::from("parent_block_hash"), Value::Nil),
+        (
+            Value::from("token_ids"),
+            Value::Array(vec![
+                Value::from(300u32),
+                Value::from(70_000u32),
+                Value::from(u32::MAX),
+                Value::from(5u32),
+            ]),
+        ),
+        (Value::from("block_size"), Value::from(4)),
+        (
+            Value::from("nested"),
+            Value::Array(vec![Value::Map(vec![(Value::from("a"), Value::from(2.5))])]),
+        ),
+    ]);
+    let batch = Value::Map(vec![
+        (Value::from("ts"), Value::from(3.5f32)),
+        (Value::from("events"), Value::Array(vec![event])),
+        (Value::from("data_parallel_rank"), Value::from(3)),
+        (Value::from("future"), Value::Binary(vec![0; 300])),
+    ]);
+    let decoded = decode_batch(&encode(&batch)).expect("decodes");
+    assert_eq!(decoded.ts, 3.5);
+    assert_eq!(decoded.data_parallel_rank, Some(3));
+    let KvEvent::Stored(stored) = &decoded.events[0] else {
+        panic!("expected BlockStored, got {:?}", decoded.events);
+    };
+    assert_eq!(stored.token_ids, vec![300, 70_000, u32::MAX, 5]);
+    assert_eq!(stored.block_size, 4);
+}
+
+#[test]
+fn truncations_and_corruptions_never_panic() {
+    for fixture in [
+        ARRAY_STORED_INT,
+        ARRAY_SIGNED_PARENT,
+        ARRAY_MIXED_TRAILING,
+        MAP_STORED_REMOVED,
+    ] {
+        for cut in 0..fixture.len() {
+            assert!(
+                decode_batch(&fixture[..cut]).is_err(),
+                "prefix {cut} accepted"
+            );
+        }
+        // Deterministic byte corruptions: whatever comes out, no panic.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mut bytes = fixture.to_vec();
+            let at = (state % bytes.len() as u64) as usize;
+            bytes[at] = (state >> 32) as u8;
+            let _ = decode_batch(&bytes);
+        }
+    }
+    // Deep nesting inside an unknown field is rejected, not recursed into.
+    let mut deep = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x92, 0xa1, b'X'];
+    deep.extend(std::iter::repeat_n(0x91, 10_000));
+    deep.push(0xc0);
+    let decoded = decode_batch(&deep);
+    assert!(decoded.is_err(), "{decoded:?}");
+}
