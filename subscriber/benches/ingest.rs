@@ -1,16 +1,23 @@
 //! Subscriber throughput: engine ZMQ frames → decoded, fingerprinted,
-//! batched → blocks received on the server's ReportCacheState stream.
+//! batched → blocks on the server's ReportCacheState stream / in its index.
 //!
-//! Run: `scripts/setup-subscriber.sh && cargo bench -p inference-cache-subscriber --bench ingest`
-//! (add `-- --quick` for a short run). Needs the venv with pyzmq + msgpack.
+//! Run: `scripts/setup-subscriber.sh && cargo build -p inference-cache-server
+//! && cargo bench -p inference-cache-subscriber --bench ingest` (add
+//! `-- --quick` for a short run). Needs the venv with pyzmq + msgpack.
 //!
 //! The load comes from `tests/kv_publisher.py` (real pyzmq PUB, byte-exact
-//! vLLM batches, pre-encoded and then sent back to back); the sink is an
-//! in-process gRPC server that counts the blocks it receives. The clock
-//! runs from the first frame sent to the last block counted, so the figure
-//! is end-to-end events/s and blocks/s through ZMQ, decoding,
-//! fingerprinting, the pipeline and the gRPC stream. A decode-only number
-//! (no network) is printed too. Target: ≥ 200k blocks/s.
+//! vLLM batches, pre-encoded, then sent back to back). Two sinks: an
+//! in-process gRPC server that counts the blocks it receives (the
+//! subscriber alone), and the real `inference-cache serve` binary (found
+//! via `$INFERENCE_CACHE_BIN` or the target directory), whose index entry
+//! count is polled with GetCacheState. The clock runs from the first frame
+//! sent until every block has arrived, so the figures are end-to-end
+//! events/s and blocks/s through ZMQ, decoding, fingerprinting, the
+//! pipeline and the gRPC stream (and, for the second sink, index ingest).
+//! "blocks per CPU s" divides by the CPU time of this process (subscriber
+//! plus, for the first sink, the counting server), a figure that holds up
+//! when other work shares the machine. A decode-only number is printed too.
+//! Target: ≥ 200k blocks/s.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
@@ -180,6 +187,205 @@ fn process_cpu_seconds() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+fn print_header() {
+    println!(
+        "| workload | events | blocks | wall s | events/s | blocks/s | CPU s | blocks per CPU s | publisher send s |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+}
+
+/// Where the subscriber reports to.
+enum Sink {
+    /// An in-process server counting blocks (measures the subscriber alone).
+    Counting,
+    /// The real server binary; progress is its index's entry count.
+    Server(PathBuf),
+}
+
+/// `$INFERENCE_CACHE_BIN`, else `target/<profile>/inference-cache` next to this bench.
+fn server_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("INFERENCE_CACHE_BIN") {
+        return Some(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let profile_dir = exe.parent()?.parent()?;
+    ["inference-cache"]
+        .iter()
+        .map(|name| profile_dir.join(name))
+        .chain(
+            profile_dir
+                .parent()
+                .map(|t| t.join("debug/inference-cache")),
+        )
+        .find(|p| p.is_file())
+}
+
+struct ServerProcess(std::process::Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Progress of one run: blocks counted, or entries in the real index.
+async fn progress(sink: &Sink, counter: &Counter, addr: std::net::SocketAddr) -> u64 {
+    match sink {
+        Sink::Counting => counter.blocks.load(Ordering::Relaxed),
+        Sink::Server(_) => {
+            let Ok(mut client) =
+                inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient::connect(
+                    format!("http://{addr}"),
+                )
+                .await
+            else {
+                return 0;
+            };
+            client
+                .get_cache_state(GetCacheStateRequest {
+                    model_id: "bench".into(),
+                    tenant_id: "bench".into(),
+                })
+                .await
+                .ok()
+                .and_then(|r| r.into_inner().summary)
+                .map(|s| u64::try_from(s.entry_count).unwrap_or(0))
+                .unwrap_or(0)
+        }
+    }
+}
+
+async fn measure(run: &Run, sink: Sink) {
+    let counter = Counter::default();
+    let (addr, _server_process, server_task) = match &sink {
+        Sink::Counting => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let service = InferenceCacheServer::new(counter.clone());
+            let task = tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            );
+            (addr, None, Some(task))
+        }
+        Sink::Server(binary) => {
+            let addr = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("free port");
+            let child = Command::new(binary)
+                .args([
+                    "serve",
+                    "--grpc-addr",
+                    &addr.to_string(),
+                    "--admin-addr",
+                    "127.0.0.1:0",
+                ])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawn inference-cache");
+            let process = ServerProcess(child);
+            let ready_by = Instant::now() + Duration::from_secs(20);
+            while inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient::connect(
+                format!("http://{addr}"),
+            )
+            .await
+            .is_err()
+            {
+                assert!(Instant::now() < ready_by, "server did not start");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (addr, Some(process), None)
+        }
+    };
+    let poll = match sink {
+        Sink::Counting => Duration::from_millis(1),
+        Sink::Server(_) => Duration::from_millis(20),
+    };
+    let mut publisher = tokio::task::block_in_place(Publisher::start);
+    let args = SubscribeArgs::try_parse_from([
+        "subscribe",
+        "--endpoint",
+        &publisher.endpoint,
+        "--server",
+        &format!("http://{addr}"),
+        "--replica-id",
+        "bench",
+        "--tenant",
+        "bench",
+        "--model",
+        "bench",
+        "--metrics-listen",
+        "off",
+        "--buffer-size",
+        "10000000",
+        "--max-tracked-blocks",
+        "10000000",
+    ])
+    .expect("flags");
+    let subscriber = Subscriber::start(args.resolve().expect("settings"))
+        .await
+        .expect("start");
+    tokio::task::block_in_place(|| {
+        publisher.command(json!({"op": "wait_subscriber", "count": 1, "timeout": 20}))
+    });
+    // Warm-up: one block whose tokens equal the run's first block (the real
+    // index counts it once), also proving the path is connected.
+    tokio::task::block_in_place(|| {
+        publisher.command(json!({"op": "prepare", "batches": 1, "events_per_batch": 1,
+            "blocks_per_event": 1, "first_hash": 1_000_000_000u64}));
+        publisher.command(json!({"op": "blast"}))
+    });
+    while progress(&sink, &counter, addr).await < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let blocks = run.batches * run.events_per_batch * run.blocks_per_event;
+    let target = match sink {
+        Sink::Counting => blocks + 1,
+        Sink::Server(_) => blocks,
+    };
+    tokio::task::block_in_place(|| {
+        publisher.command(json!({"op": "prepare", "batches": run.batches,
+            "events_per_batch": run.events_per_batch, "blocks_per_event": run.blocks_per_event}))
+    });
+    let cpu_start = process_cpu_seconds();
+    let start = Instant::now();
+    publisher.send(json!({"op": "blast"}));
+    let deadline = start + Duration::from_secs(120);
+    let mut done = progress(&sink, &counter, addr).await;
+    while done < target && Instant::now() < deadline {
+        tokio::time::sleep(poll).await;
+        done = progress(&sink, &counter, addr).await;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let cpu = process_cpu_seconds() - cpu_start;
+    let answer = tokio::task::block_in_place(|| publisher.answer());
+    let received = done.min(target) - (target - blocks);
+    let events = (run.batches * run.events_per_batch) as f64;
+    let complete = if done >= target { "" } else { " (INCOMPLETE)" };
+    println!(
+        "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.2} | {:.0} | {:.3} |",
+        run.label,
+        complete,
+        events,
+        received,
+        seconds,
+        events / seconds,
+        received as f64 / seconds,
+        cpu,
+        received as f64 / cpu.max(0.01),
+        answer["send_seconds"].as_f64().unwrap_or(f64::NAN)
+    );
+    subscriber.shutdown().await;
+    if let Some(task) = server_task {
+        task.abort();
+    }
+}
+
 struct Run {
     label: &'static str,
     batches: u64,
@@ -253,87 +459,25 @@ fn main() {
             blocks_per_event: 32,
         },
     ];
-    println!(
-        "| workload | events | blocks | wall s | events/s | blocks/s | CPU s | blocks per CPU s | publisher send s |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("Sink: in-process gRPC server counting received blocks\n");
+    print_header();
     for run in &runs {
-        runtime.block_on(async {
-            let counter = Counter::default();
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-            let addr = listener.local_addr().expect("addr");
-            let service = InferenceCacheServer::new(counter.clone()).max_decoding_message_size(64 << 20);
-            let server = tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(service)
-                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-            );
-            let mut publisher = tokio::task::block_in_place(Publisher::start);
-            let args = SubscribeArgs::try_parse_from([
-                "subscribe", "--endpoint", &publisher.endpoint, "--server", &format!("http://{addr}"),
-                "--replica-id", "bench", "--tenant", "bench", "--model", "bench",
-                "--metrics-listen", "off", "--buffer-size", "10000000", "--max-tracked-blocks", "10000000",
-            ])
-            .expect("flags");
-            let subscriber = Subscriber::start(args.resolve().expect("settings")).await.expect("start");
-            tokio::task::block_in_place(|| {
-                publisher.command(json!({"op": "wait_subscriber", "count": 1, "timeout": 20}))
-            });
-            // Warm-up batch (also proves the path is connected).
-            tokio::task::block_in_place(|| {
-                publisher.command(json!({"op": "prepare", "batches": 1, "events_per_batch": 1,
-                    "blocks_per_event": 1, "first_hash": 1_000_000_000u64}));
-                publisher.command(json!({"op": "blast"}))
-            });
-            while counter.blocks.load(Ordering::Relaxed) < 1 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            let target = 1 + run.batches * run.events_per_batch * run.blocks_per_event;
-            tokio::task::block_in_place(|| {
-                publisher.command(json!({"op": "prepare", "batches": run.batches,
-                    "events_per_batch": run.events_per_batch, "blocks_per_event": run.blocks_per_event}))
-            });
-            let cpu_start = process_cpu_seconds();
-            let start = Instant::now();
-            publisher.send(json!({"op": "blast"}));
-            let deadline = start + Duration::from_secs(120);
-            let frames_target = 1.0 + run.batches as f64;
-            let mut frames_done = f64::NAN;
-            while counter.blocks.load(Ordering::Relaxed) < target && Instant::now() < deadline {
-                if frames_done.is_nan()
-                    && subscriber
-                        .metrics()
-                        .sample("inferencecache_subscriber_frames_total")
-                        .unwrap_or(0.0)
-                        >= frames_target
-                {
-                    frames_done = start.elapsed().as_secs_f64();
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            eprintln!("{}: all frames received after {frames_done:.3} s", run.label);
-            let seconds = start.elapsed().as_secs_f64();
-            let cpu = process_cpu_seconds() - cpu_start;
-            let answer = tokio::task::block_in_place(|| publisher.answer());
-            let received = counter.blocks.load(Ordering::Relaxed) - 1;
-            let events = (run.batches * run.events_per_batch) as f64;
-            let complete = if received + 1 >= target { "" } else { " (INCOMPLETE)" };
+        runtime.block_on(measure(run, Sink::Counting));
+    }
+    match server_binary() {
+        Some(binary) => {
             println!(
-                "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.2} | {:.0} | {:.3} |",
-                run.label,
-                complete,
-                events,
-                received,
-                seconds,
-                events / seconds,
-                received as f64 / seconds,
-                cpu,
-                received as f64 / cpu.max(0.01),
-                answer["send_seconds"].as_f64().unwrap_or(f64::NAN)
+                "\nSink: the `inference-cache serve` binary's index ({}); progress read with GetCacheState\n",
+                binary.display()
             );
-            subscriber.shutdown().await;
-            server.abort();
-        });
+            print_header();
+            for run in &runs {
+                runtime.block_on(measure(run, Sink::Server(binary.clone())));
+            }
+        }
+        None => println!(
+            "\n(no inference-cache binary: `cargo build -p inference-cache-server` to measure into the real index)"
+        ),
     }
     let (events_per_s, blocks_per_s) = decode_only(if quick { 2_000 } else { 10_000 }, 16, 4);
     println!(
