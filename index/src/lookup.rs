@@ -15,7 +15,7 @@
 //! 6. a deadline passed while working → TIMEOUT (and no LFU credit).
 //!
 //! Cost: one table probe per chain block while at least one replica is still
-//! in the run, with each touched shard read-locked once (windows of 16 blocks
+//! in the run, with each touched shard read-locked once (windows of 32 blocks
 //! are locked first and probed after, so their cache misses overlap);
 //! candidates live in a stack buffer. The only
 //! allocation is the result vector (and a small one on the AFFINITY_HINT /
@@ -32,11 +32,11 @@ use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, Re
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction};
 use parking_lot::RwLockReadGuard;
 
-use crate::store::{HashRef, SHARDS, Shard, Slot, Store};
+use crate::store::{HashRef, Held, SHARDS, Shard, Slot, Store};
 
 const INLINE: usize = 16;
 /// Blocks whose shards are locked and probed together.
-const WINDOW: usize = 16;
+const WINDOW: usize = 32;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Candidate {
@@ -294,13 +294,18 @@ impl CacheIndex {
                     guards[slot.shard] = Some(self.store.shard(slot.shard).read());
                 }
             }
+            // Probe the whole window back to back (no atomics in between), so the
+            // table misses of its blocks overlap; then apply the run rule in order.
+            let mut probed: [Option<Held<'_>>; WINDOW] = [None; WINDOW];
+            for (k, b) in (start..end).enumerate() {
+                if let Some(shard) = guards[slots[k].shard].as_ref() {
+                    let hash = HashRef::from_bytes(chain.hashes.get(b));
+                    probed[k] = shard.get(part, hash, slots[k].mixed);
+                }
+            }
             for (k, i) in (start..end).enumerate() {
-                let hash = HashRef::from_bytes(chain.hashes.get(i));
                 let tokens = i64::from(chain.token_counts[i]);
-                let Some(shard) = guards[slots[k].shard].as_ref() else {
-                    return Matched::Hits;
-                };
-                let held = shard.get(part, hash, slots[k].mixed);
+                let held = probed[k];
                 if i == 0 {
                     let Some(held) = held else {
                         return Matched::Miss;
