@@ -100,6 +100,12 @@ pub struct SubscribeArgs {
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub replay_timeout: Duration,
 
+    /// How often every block still held is re-reported (keeping it inside
+    /// the server's eviction TTL) along with a replica liveness event; `0s`
+    /// disables it.
+    #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub refresh_interval: Duration,
+
     /// Listen address of the subscriber's own `/metrics`; `off` disables it.
     #[arg(
         long,
@@ -217,6 +223,7 @@ impl SubscribeArgs {
             max_tracked_blocks: self.max_tracked_blocks,
             max_blocks_per_update: self.max_blocks_per_update,
             replay_timeout: self.replay_timeout,
+            refresh_interval: (!self.refresh_interval.is_zero()).then_some(self.refresh_interval),
             metrics_listen,
         })
     }
@@ -304,6 +311,8 @@ pub struct Settings {
     pub max_blocks_per_update: usize,
     /// Replay answer timeout.
     pub replay_timeout: Duration,
+    /// Interval of full re-reports, if enabled.
+    pub refresh_interval: Option<Duration>,
     /// `/metrics` listen address, if any.
     pub metrics_listen: Option<SocketAddr>,
 }

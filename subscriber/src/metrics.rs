@@ -54,6 +54,7 @@ pub struct Metrics {
     pub(crate) server_errors: Counter,
     pub(crate) acks_rejected: Counter,
     pub(crate) resyncs: Counter,
+    pub(crate) refreshes: Counter,
 }
 
 impl Default for Metrics {
@@ -132,6 +133,11 @@ impl Metrics {
             "Full re-reports of the tracked state after a server failure or buffer overflow",
         );
 
+        let refreshes = counter(
+            "refreshes",
+            "Periodic re-reports of every held block (eviction-TTL keep-alive)",
+        );
+
         let events = Labeled::default();
         registry.register("events", "Engine events by type", events.clone());
         let dropped = Labeled::default();
@@ -185,6 +191,7 @@ impl Metrics {
             server_errors,
             acks_rejected,
             resyncs,
+            refreshes,
             registry,
         }
     }

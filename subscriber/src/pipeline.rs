@@ -145,6 +145,17 @@ impl Pipeline {
         Some(Work::Actions(taken))
     }
 
+    /// Stores of every block still held, leaving pending work in place (a
+    /// periodic refresh: the deltas queued before it stay correct after it).
+    pub(crate) fn snapshot(&self) -> Vec<Action> {
+        let inner = self.inner.lock();
+        let mut actions = Vec::new();
+        for tracker in &inner.trackers {
+            tracker.snapshot(&mut actions);
+        }
+        actions
+    }
+
     /// Waits until work may be available (or a wake-up is forced).
     pub(crate) async fn wait(&self) {
         self.wake.notified().await;

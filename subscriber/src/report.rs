@@ -93,6 +93,7 @@ impl Reporter {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut connected_once = false;
         let max_weight = self.settings.max_blocks_per_update.saturating_mul(8);
+        let mut next_refresh = self.settings.refresh_interval.map(|i| Instant::now() + i);
         loop {
             if *shutdown.borrow() {
                 break;
@@ -120,6 +121,19 @@ impl Reporter {
                         continue;
                     }
                 }
+            }
+            if let (Some(due), Some(interval)) = (next_refresh, self.settings.refresh_interval)
+                && Instant::now() >= due
+            {
+                next_refresh = Some(Instant::now() + interval);
+                match self.refresh().await {
+                    Ok(()) => backoff.reset(),
+                    Err(error) => {
+                        self.fail(&error);
+                        backoff.wait(&mut shutdown).await;
+                    }
+                }
+                continue;
             }
             let work = match self.pipeline.try_take(max_weight, &self.metrics) {
                 Some(work) => work,
@@ -158,6 +172,16 @@ impl Reporter {
         if let Err(error) = self.finish_stream().await {
             tracing::debug!(%error, "closing the report stream on shutdown");
         }
+    }
+
+    /// Re-reports every held block and refreshes the replica's liveness.
+    async fn refresh(&mut self) -> Result<(), ReportError> {
+        let actions = self.pipeline.snapshot();
+        tracing::debug!(actions = actions.len(), "refreshing held blocks");
+        self.metrics.refreshes.inc();
+        self.send_actions(actions).await?;
+        let alive = self.event(cache_event::Type::ReplicaUpdated, Vec::new(), "");
+        self.publish(vec![alive]).await
     }
 
     fn fail(&mut self, error: &ReportError) {

@@ -452,3 +452,39 @@ async fn metrics_endpoint_serves_prometheus_text() {
     sub.shutdown().await;
     server.kill().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_blocks_are_refreshed_with_a_liveness_event() {
+    let server = RecordingServer::start("127.0.0.1:0".parse().unwrap()).await;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(
+        &publisher,
+        server.addr,
+        false,
+        &["--refresh-interval", "1s"],
+    )
+    .await;
+    publisher.wait_subscriber(1);
+    let prompt = tokens(32, 0);
+    publisher.publish(json!([stored(&[1, 2], None, &prompt)]), "array");
+    publisher.publish(json!([removed(&[2], "GPU")]), "array");
+    assert!(
+        eventually(WAIT, || {
+            server
+                .received()
+                .events
+                .iter()
+                .any(|e| e.r#type == cache_event::Type::ReplicaUpdated as i32)
+        })
+        .await,
+        "no liveness event: {:?}",
+        server.received()
+    );
+    // Blocks: the two stores, then the refresh of the one still held.
+    assert!(eventually(WAIT, || server.received().blocks().len() >= 3).await);
+    let blocks = server.received().blocks();
+    assert_eq!(blocks[2].2, chain(&prompt)[0]);
+    assert!(metric(&sub, "inferencecache_subscriber_refreshes_total") >= 1.0);
+    sub.shutdown().await;
+    server.kill().await;
+}
