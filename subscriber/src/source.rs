@@ -109,7 +109,11 @@ impl Source {
     pub(crate) async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
         while !*shutdown.borrow() {
-            let mut socket = match self.connect().await {
+            let connected = tokio::select! {
+                connected = self.connect() => connected,
+                _ = shutdown.changed() => return,
+            };
+            let mut socket = match connected {
                 Ok(socket) => socket,
                 Err(error) => {
                     self.metrics.zmq_errors.inc();
