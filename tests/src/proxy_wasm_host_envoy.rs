@@ -1,0 +1,412 @@
+//! A real Envoy running the compiled filter, three backend HTTP servers that
+//! say who served them, and a small keep-alive HTTP/1.1 client.
+//!
+//! Envoy's bootstrap is `envoy/envoy.yaml` itself, with its ports, the wasm
+//! path and (optionally) plugin settings rewritten; every rewrite must find
+//! its target exactly where expected, so an edit to the example that breaks
+//! the tests fails loudly instead of testing something else. Envoy comes from
+//! `scripts/setup-envoy.sh` (`$ENVOY_BIN`, else `.cache/envoy/bin/envoy`); a
+//! missing binary fails the test with that instruction. Each [`Envoy`] is
+//! killed on drop, so it lives exactly as long as the test using it.
+#![allow(
+    dead_code,
+    reason = "shared by several test binaries, each using a subset"
+)]
+
+use std::convert::Infallible;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow, bail, ensure};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// Replica ids of the three backends, as `envoy/envoy.yaml` maps them.
+pub const REPLICAS: [&str; 3] = ["replica-a", "replica-b", "replica-c"];
+/// Header each backend answers with: the replica id that served the request.
+pub const SERVED_BY: &str = "x-served-by";
+
+/// Path of the Envoy binary, or an error naming the setup script.
+pub fn envoy_binary() -> anyhow::Result<PathBuf> {
+    let path = std::env::var_os("ENVOY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::proxy_wasm_host::repo_root().join(".cache/envoy/bin/envoy"));
+    ensure!(
+        path.is_file(),
+        "no Envoy binary at {}: run scripts/setup-envoy.sh (or set ENVOY_BIN)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A backend model server stand-in: answers every request with 200, its name
+/// in [`SERVED_BY`], and a JSON body with the name, path and body length.
+pub struct Backend {
+    /// Replica id it reports.
+    pub name: String,
+    /// Listening address.
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Backend {
+    /// Starts a backend on a loopback port.
+    pub async fn start(name: &str) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let name_for_task = name.to_owned();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((socket, _)) = listener.accept().await else {
+                    return;
+                };
+                let name = name_for_task.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                        let name = name.clone();
+                        async move { Ok::<_, Infallible>(answer(&name, request).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(socket), service)
+                        .await;
+                });
+            }
+        });
+        Ok(Self {
+            name: name.to_owned(),
+            addr,
+            task,
+        })
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn answer(name: &str, request: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = request.uri().path().to_owned();
+    let destination = request
+        .headers()
+        .get("x-gateway-destination-endpoint")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let length = match request.into_body().collect().await {
+        Ok(body) => body.to_bytes().len(),
+        Err(_) => 0,
+    };
+    let body = serde_json::json!({
+        "served_by": name,
+        "path": path,
+        "body_bytes": length,
+        "destination": destination,
+    })
+    .to_string();
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    if let Ok(value) = name.parse() {
+        response.headers_mut().insert(SERVED_BY, value);
+    }
+    response
+}
+
+/// Where Envoy's clusters point and what to change in the plugin configuration.
+pub struct EnvoySetup {
+    /// gRPC address of the inference-cache server (or a fake).
+    pub grpc: SocketAddr,
+    /// Backends for replica-a, -b, -c, in that order.
+    pub backends: [SocketAddr; 3],
+    /// Plugin `timeout_ms`.
+    pub timeout_ms: u64,
+    /// Whether the wasm filter is in the chain (false for the overhead baseline).
+    pub with_filter: bool,
+}
+
+/// A running Envoy, killed on drop.
+pub struct Envoy {
+    child: Child,
+    /// Client-facing listener.
+    pub addr: SocketAddr,
+    /// Admin listener.
+    pub admin: SocketAddr,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+/// A scratch directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn replace_once(text: &str, from: &str, to: &str) -> anyhow::Result<String> {
+    let count = text.matches(from).count();
+    ensure!(
+        count == 1,
+        "envoy/envoy.yaml: expected `{from}` exactly once, found {count}"
+    );
+    Ok(text.replacen(from, to, 1))
+}
+
+/// `envoy/envoy.yaml` with the test's ports, wasm path and settings.
+pub fn render_bootstrap(
+    setup: &EnvoySetup,
+    wasm: &Path,
+    listen: u16,
+    admin: u16,
+) -> anyhow::Result<String> {
+    let path = crate::proxy_wasm_host::repo_root().join("envoy/envoy.yaml");
+    let mut text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    text = replace_once(&text, "port_value: 10000", &format!("port_value: {listen}"))?;
+    text = replace_once(&text, "port_value: 9901", &format!("port_value: {admin}"))?;
+    text = replace_once(
+        &text,
+        "port_value: 9090",
+        &format!("port_value: {}", setup.grpc.port()),
+    )?;
+    for (default_port, backend) in [8001, 8002, 8003].iter().zip(setup.backends) {
+        text = replace_once(
+            &text,
+            &format!("port_value: {default_port}"),
+            &format!("port_value: {}", backend.port()),
+        )?;
+        text = replace_once(
+            &text,
+            &format!("\"127.0.0.1:{default_port}\""),
+            &format!("\"{backend}\""),
+        )?;
+    }
+    text = replace_once(
+        &text,
+        "filename: target/wasm32-wasip1/wasm/inference_cache_filter.wasm",
+        &format!("filename: {}", wasm.display()),
+    )?;
+    text = replace_once(
+        &text,
+        "\"timeout_ms\": 20,",
+        &format!("\"timeout_ms\": {},", setup.timeout_ms),
+    )?;
+    if !setup.with_filter {
+        let start = text
+            .find("          - name: envoy.filters.http.wasm")
+            .ok_or_else(|| anyhow!("wasm filter entry not found"))?;
+        let end = text
+            .find("          - name: envoy.filters.http.router")
+            .ok_or_else(|| anyhow!("router entry not found"))?;
+        text.replace_range(start..end, "");
+    }
+    Ok(text)
+}
+
+impl Envoy {
+    /// Starts Envoy on free ports and waits until its listener accepts.
+    pub async fn start(setup: &EnvoySetup) -> anyhow::Result<Self> {
+        let binary = envoy_binary()?;
+        let wasm = crate::proxy_wasm_host::filter_wasm()?;
+        let listen = free_port()?;
+        let admin = free_port()?;
+        let dir = std::env::temp_dir().join(format!(
+            "inference-cache-envoy-{}-{listen}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let dir = TempDir(dir);
+        let config = dir.0.join("envoy.yaml");
+        std::fs::write(&config, render_bootstrap(setup, &wasm, listen, admin)?)?;
+        let log = dir.0.join("envoy.log");
+        let child = Command::new(&binary)
+            .arg("-c")
+            .arg(&config)
+            .args(["--disable-hot-restart", "--concurrency", "2", "-l", "info"])
+            .arg("--log-path")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let mut envoy = Self {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], listen)),
+            admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+            log,
+            _dir: dir,
+        };
+        envoy.wait_ready().await?;
+        Ok(envoy)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("envoy exited with {status}:\n{}", self.log_tail());
+            }
+            if let Ok(mut client) = HttpClient::connect(self.admin).await
+                && let Ok(response) = client.get("/ready").await
+                && response.status == 200
+                && TcpStream::connect(self.addr).await.is_ok()
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("envoy did not become ready:\n{}", self.log_tail())
+    }
+
+    /// The last lines of Envoy's log, for failure messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// A counter from the admin `/stats` endpoint (0 when absent).
+    pub async fn stat(&self, name: &str) -> anyhow::Result<u64> {
+        let mut client = HttpClient::connect(self.admin).await?;
+        let response = client.get(&format!("/stats?filter={name}")).await?;
+        for line in response.body_text().lines() {
+            if let Some((key, value)) = line.split_once(": ")
+                && key.trim() == name
+            {
+                return Ok(value.trim().parse()?);
+            }
+        }
+        Ok(0)
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An HTTP response, fully read.
+#[derive(Debug)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: hyper::HeaderMap,
+    /// Body bytes.
+    pub body: Bytes,
+}
+
+impl HttpResponse {
+    /// A header as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|value| value.to_str().ok())
+    }
+
+    /// The body as text.
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// Which backend served it.
+    pub fn served_by(&self) -> Option<&str> {
+        self.header(SERVED_BY)
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection.
+pub struct HttpClient {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    host: String,
+}
+
+impl HttpClient {
+    /// Connects to `addr`.
+    pub async fn connect(addr: SocketAddr) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(Self {
+            sender,
+            host: addr.to_string(),
+        })
+    }
+
+    /// GET `path`.
+    pub async fn get(&mut self, path: &str) -> anyhow::Result<HttpResponse> {
+        self.send("GET", path, &[], Bytes::new()).await
+    }
+
+    /// GET `path` with extra headers.
+    pub async fn get_with(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<HttpResponse> {
+        self.send("GET", path, headers, Bytes::new()).await
+    }
+
+    /// POST a JSON body to `path` with extra headers.
+    pub async fn post(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> anyhow::Result<HttpResponse> {
+        self.send("POST", path, headers, body.into()).await
+    }
+
+    async fn send(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> anyhow::Result<HttpResponse> {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", &self.host);
+        if method == "POST" {
+            builder = builder.header("content-type", "application/json");
+        }
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let request = builder.body(Full::new(body))?;
+        self.sender.ready().await?;
+        let response = self.sender.send_request(request).await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(HttpResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+/// A completions body with a token-id prompt.
+pub fn tokens_body(model: &str, tokens: &[u32]) -> String {
+    format!(r#"{{"model":"{model}","prompt":{tokens:?},"max_tokens":8}}"#)
+}
