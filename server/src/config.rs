@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 
 use crate::index_runtime::IndexSettings;
+use crate::prompt_inputs::PromptSettings;
 
 /// Everything [`crate::start`] needs. `Default` is the embedded default
 /// configuration the binary runs with when no flag is given.
@@ -14,6 +15,8 @@ pub struct ServeConfig {
     pub admin_addr: SocketAddr,
     /// Cache index: policy file, entry cap, engine block size, sweep interval.
     pub index: IndexSettings,
+    /// Tokenizers (prompt_text, messages, raw_prompt) and PromptTemplates.
+    pub prompts: PromptSettings,
 }
 
 impl Default for ServeConfig {
@@ -22,6 +25,7 @@ impl Default for ServeConfig {
             grpc_addr: SocketAddr::from(([0, 0, 0, 0], 9090)),
             admin_addr: SocketAddr::from(([0, 0, 0, 0], 8080)),
             index: IndexSettings::default(),
+            prompts: PromptSettings::default(),
         }
     }
 }
@@ -33,6 +37,10 @@ impl ServeConfig {
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             index: IndexSettings::default(),
+            prompts: PromptSettings {
+                templates_dir: None,
+                ..PromptSettings::default()
+            },
         }
     }
 }

@@ -26,6 +26,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
+use crate::prompt_inputs::{PromptState, TextInput, TokenizeFailure};
 use inference_cache_index as index;
 use inference_cache_proto::v1alpha1::{ReplicaScore, ReplicaStats, cache_event};
 
@@ -36,12 +37,73 @@ type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + '
 pub struct CacheService {
     metrics: Arc<Metrics>,
     index: Arc<IndexState>,
+    prompts: Arc<PromptState>,
 }
 
 impl CacheService {
-    /// Creates the service over shared metrics and the cache index.
-    pub fn new(metrics: Arc<Metrics>, index: Arc<IndexState>) -> Self {
-        Self { metrics, index }
+    /// Creates the service over shared metrics, the cache index and the prompt inputs.
+    pub fn new(metrics: Arc<Metrics>, index: Arc<IndexState>, prompts: Arc<PromptState>) -> Self {
+        Self {
+            metrics,
+            index,
+            prompts,
+        }
+    }
+
+    /// Turns a text input into a token chain, or says why not: `Ok(None)` is
+    /// the tokenizer fail-open (no tokenizer for the model, or it failed),
+    /// `Err(())` a timeout.
+    async fn tokenize(
+        &self,
+        request: &LookupRouteRequest,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Vec<u32>>, ()> {
+        let policies = self.index.index.policies();
+        let policy = policies.for_tenant(&request.tenant_id);
+        // Inputs the index answers without a chain: do not spend a tokenization on them.
+        if request.tenant_id == index::PROBE_TENANT
+            || request.hash_scheme.is_empty()
+            || policy.strategy.require_chain
+            || !self.prompts.has_tokenizer(&request.model_id)
+        {
+            return Ok(None);
+        }
+        let Some(input) = text_input(request) else {
+            return Ok(None);
+        };
+        match self
+            .prompts
+            .tokenize(&request.model_id, input, policy.lookup_timeout_ms, deadline)
+            .await
+        {
+            Ok(ids) => Ok(Some(ids)),
+            Err(TokenizeFailure::Timeout(budget)) => {
+                tracing::debug!(model = %request.model_id, ?budget, "tokenization timed out");
+                Err(())
+            }
+            Err(error) => {
+                tracing::debug!(model = %request.model_id, %error, "tokenization failed, no hint");
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// The text input of a request, by precedence messages > raw_prompt > prompt_text.
+fn text_input(request: &LookupRouteRequest) -> Option<TextInput> {
+    if !request.messages.is_empty() {
+        let messages = request
+            .messages
+            .iter()
+            .map(|m| inference_cache_tokenizer::ChatMessage::new(&m.role, &m.content))
+            .collect();
+        Some(TextInput::Messages(messages))
+    } else if !request.raw_prompt.is_empty() {
+        Some(TextInput::RawPrompt(request.raw_prompt.clone()))
+    } else if !request.prompt_text.is_empty() {
+        Some(TextInput::PromptText(request.prompt_text.clone()))
+    } else {
+        None
     }
 }
 
@@ -58,11 +120,35 @@ impl InferenceCache for CacheService {
     ) -> Result<Response<RenderTemplateResponse>, Status> {
         self.metrics.record_rpc("RenderTemplate");
         let request = request.into_inner();
-        Ok(Response::new(RenderTemplateResponse {
-            tenant_namespace: request.tenant_id.into_bytes(),
-            reason_code: reason::TEMPLATE_NOT_FOUND.to_owned(),
-            ..Default::default()
-        }))
+        let variables: std::collections::HashMap<String, String> =
+            request.variables.into_iter().collect();
+        let tenant_namespace = request.tenant_id.into_bytes();
+        match self.prompts.render(&request.template_ref, &variables) {
+            Ok(rendered) => Ok(Response::new(RenderTemplateResponse {
+                rendered_prompt: rendered.text.into_bytes(),
+                stable_prefix_hash: rendered.stable_prefix_hash.to_vec(),
+                tenant_namespace,
+                reason_code: reason::OK.to_owned(),
+                template_revision: rendered.revision.to_string(),
+            })),
+            Err(error) => {
+                let code = if error.is_not_found() {
+                    reason::TEMPLATE_NOT_FOUND
+                } else {
+                    reason::RENDER_ERROR
+                };
+                let mut response = Response::new(RenderTemplateResponse {
+                    tenant_namespace,
+                    reason_code: code.to_owned(),
+                    ..Default::default()
+                });
+                // The reason code is the contract; the detail (e.g. the missing slot) rides in metadata.
+                if let Ok(detail) = error.to_string().parse() {
+                    response.metadata_mut().insert(RENDER_ERROR_HEADER, detail);
+                }
+                Ok(response)
+            }
+        }
     }
 
     async fn lookup_route(
@@ -72,12 +158,36 @@ impl InferenceCache for CacheService {
         let started = Instant::now();
         let deadline = grpc_timeout(request.metadata()).map(|t| started + t);
         let request = request.into_inner();
-        let outcome = lookup(&self.index, &request, started, deadline);
+        let mut input = resolve_input(&request, self.index.engine_block_size);
+        let mut token_ids = Vec::new();
+        if input == ResolvedInput::NeedsTokenizer {
+            match self.tokenize(&request, deadline).await {
+                Ok(Some(ids)) => {
+                    input = ResolvedInput::Tokens(inference_cache_fingerprint::request_chain(
+                        &ids,
+                        self.index.engine_block_size,
+                    ));
+                    token_ids = ids;
+                }
+                Ok(None) => {}
+                Err(()) => {
+                    let response = LookupRouteResponse {
+                        reason_code: reason::TIMEOUT.to_owned(),
+                        lookup_latency_us: elapsed_us(started),
+                        ..Default::default()
+                    };
+                    self.metrics
+                        .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
+                    return Ok(Response::new(response));
+                }
+            }
+        }
+        let outcome = lookup(&self.index, &request, &input, started, deadline);
         let response = LookupRouteResponse {
             replica_scores: outcome.scores.into_iter().map(replica_score).collect(),
             reason_code: outcome.reason.as_str().to_owned(),
             lookup_latency_us: elapsed_us(started),
-            token_ids: Vec::new(),
+            token_ids,
             adapter_id: outcome.adapter_id,
         };
         self.metrics
@@ -212,6 +322,9 @@ impl InferenceCache for CacheService {
     }
 }
 
+/// Response metadata key carrying why RenderTemplate failed (e.g. the missing slot).
+pub const RENDER_ERROR_HEADER: &str = "x-inferencecache-render-error";
+
 /// Ack reason of a PublishEvent whose type is unspecified or unknown.
 const UNKNOWN_EVENT_TYPE: &str = "UNKNOWN_EVENT_TYPE";
 
@@ -226,7 +339,7 @@ pub(crate) enum ResolvedInput {
     ExactHash,
     /// `token_ids` fingerprinted with the engine block size (may be empty when too short).
     Tokens(inference_cache_fingerprint::RequestChain),
-    /// Text or messages that need a tokenizer the server does not have: fail open.
+    /// messages / raw_prompt / prompt_text: the server tokenizes them (or fails open).
     NeedsTokenizer,
     /// Nothing to fingerprint.
     Nothing,
@@ -265,17 +378,17 @@ pub(crate) fn resolve_input(request: &LookupRouteRequest, block_size: usize) -> 
 fn lookup(
     state: &IndexState,
     request: &LookupRouteRequest,
+    input: &ResolvedInput,
     arrived: Instant,
     deadline: Option<Instant>,
 ) -> index::LookupOutcome {
-    let input = resolve_input(request, state.engine_block_size);
     let mut query =
         index::LookupRequest::new(&request.tenant_id, &request.model_id, &request.hash_scheme);
     query.adapter_id = &request.adapter_id;
     query.slo_ttft_ms = request.slo.as_ref().map_or(0, |s| s.ttft_ms);
     query.arrived = arrived;
     query.deadline = deadline;
-    match &input {
+    match input {
         ResolvedInput::WireChain => {
             query.chain = Some(index::Chain {
                 hashes: index::BlockHashes::Bytes(&request.block_hashes),
@@ -299,7 +412,7 @@ fn lookup(
         ResolvedInput::NeedsTokenizer | ResolvedInput::Nothing => {}
     }
     let mut outcome = state.index.lookup(&query);
-    if input == ResolvedInput::NeedsTokenizer && outcome.reason == index::Reason::NoHint {
+    if *input == ResolvedInput::NeedsTokenizer && outcome.reason == index::Reason::NoHint {
         // Tokenizer fail-open envelope: returned before the index is consulted.
         outcome.adapter_id.clear();
     }

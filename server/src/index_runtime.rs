@@ -340,34 +340,9 @@ impl IndexState {
     }
 
     fn spawn_policy_watch(self: &Arc<Self>, path: PathBuf, shutdown: CancellationToken) {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-        let watcher = file_watcher(&path, tx.clone());
         let state = Arc::clone(self);
-        tokio::spawn(async move {
-            let _watcher = watcher;
-            let mut hangup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-            loop {
-                let hup = async {
-                    match hangup.as_mut() {
-                        Some(s) => s.recv().await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    Some(()) = rx.recv() => {
-                        // Editors write in several steps: let the burst settle.
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        while rx.try_recv().is_ok() {}
-                        state.reload_policies();
-                    }
-                    _ = hup => {
-                        tracing::info!("SIGHUP: reloading policy");
-                        state.reload_policies();
-                    }
-                }
-            }
+        crate::reload::spawn_reloader(path, "policy file", shutdown, move || {
+            state.reload_policies();
         });
     }
 
@@ -384,39 +359,6 @@ fn read_policies(path: &Path) -> anyhow::Result<PolicySet> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading policy file {}", path.display()))?;
     PolicySet::from_yaml(&text).with_context(|| format!("policy file {}", path.display()))
-}
-
-fn file_watcher(
-    path: &Path,
-    tx: tokio::sync::mpsc::UnboundedSender<()>,
-) -> Option<notify::RecommendedWatcher> {
-    use notify::Watcher as _;
-    let name = path.file_name()?.to_owned();
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let handler = move |event: notify::Result<notify::Event>| {
-        if let Ok(event) = event
-            && !event.kind.is_access()
-            && event.paths.iter().any(|p| p.file_name() == Some(&name))
-        {
-            let _ = tx.send(());
-        }
-    };
-    match notify::recommended_watcher(handler) {
-        Ok(mut watcher) => match watcher.watch(&dir, notify::RecursiveMode::NonRecursive) {
-            Ok(()) => Some(watcher),
-            Err(error) => {
-                tracing::warn!(dir = %dir.display(), %error, "cannot watch the policy file; SIGHUP still reloads");
-                None
-            }
-        },
-        Err(error) => {
-            tracing::warn!(%error, "no file watcher; SIGHUP still reloads the policy");
-            None
-        }
-    }
 }
 
 async fn policy_route(State(state): State<Arc<IndexState>>) -> impl IntoResponse {

@@ -22,9 +22,13 @@ mod config;
 mod grpc;
 mod index_runtime;
 mod metrics;
+mod prompt_inputs;
+pub mod prompt_templates;
+mod reload;
 mod run;
 
 pub use config::ServeConfig;
 pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use metrics::Metrics;
+pub use prompt_inputs::{PromptArgs, PromptSettings};
 pub use run::{RunningServer, start};

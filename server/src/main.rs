@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use inference_cache_server::{IndexArgs, ServeConfig, start};
+use inference_cache_server::{IndexArgs, PromptArgs, ServeConfig, start};
+use inference_cache_subscriber::SubscribeArgs;
 use tracing_subscriber::EnvFilter;
 
 /// KV-cache-aware routing hints for LLM gateways.
@@ -34,6 +35,8 @@ enum LogFormat {
 enum Command {
     /// Run the policy server (gRPC InferenceCache service + admin HTTP).
     Serve(ServeArgs),
+    /// Feed the server's index from an engine's ZMQ KV events (vLLM, SGLang).
+    Subscribe(SubscribeArgs),
 }
 
 /// Flags of `inference-cache serve`.
@@ -57,6 +60,9 @@ struct ServeArgs {
 
     #[command(flatten)]
     index: IndexArgs,
+
+    #[command(flatten)]
+    prompts: PromptArgs,
 }
 
 impl ServeArgs {
@@ -65,6 +71,7 @@ impl ServeArgs {
             grpc_addr: self.grpc_addr,
             admin_addr: self.admin_addr,
             index: self.index.into_settings(),
+            prompts: self.prompts.into_settings(),
         }
     }
 }
@@ -110,6 +117,7 @@ async fn main() -> ExitCode {
     init_logging(cli.log_format);
     let result = match cli.command {
         Command::Serve(args) => serve(args).await,
+        Command::Subscribe(args) => inference_cache_subscriber::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

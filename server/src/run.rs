@@ -17,6 +17,7 @@ use crate::config::ServeConfig;
 use crate::grpc::CacheService;
 use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
+use crate::prompt_inputs::PromptState;
 
 /// A started server. Dropping it does not stop it; call [`RunningServer::shutdown`].
 pub struct RunningServer {
@@ -50,6 +51,7 @@ impl RunningServer {
 pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let mut metrics = Metrics::new();
     let index = Arc::new(IndexState::new(&config.index, metrics.registry_mut())?);
+    let prompts = Arc::new(PromptState::new(&config.prompts, metrics.registry_mut())?);
     let metrics = Arc::new(metrics);
     let grpc_listener = TcpListener::bind(config.grpc_addr)
         .await
@@ -74,11 +76,15 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .context("building gRPC reflection (v1alpha)")?;
-    let service =
-        InferenceCacheServer::new(CacheService::new(Arc::clone(&metrics), Arc::clone(&index)));
+    let service = InferenceCacheServer::new(CacheService::new(
+        Arc::clone(&metrics),
+        Arc::clone(&index),
+        Arc::clone(&prompts),
+    ));
 
     let shutdown = CancellationToken::new();
     index.spawn_background(config.index.sweep_interval, shutdown.clone());
+    prompts.spawn_background(shutdown.clone());
     let ready = Arc::new(AtomicBool::new(true));
     metrics.server_up.set(1);
 

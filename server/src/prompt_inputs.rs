@@ -1,0 +1,269 @@
+//! Server-side prompt inputs: the tokenizer registry that turns `prompt_text`,
+//! `messages` and `raw_prompt` into token ids, and the PromptTemplate store
+//! behind RenderTemplate.
+//!
+//! Tokenization is CPU-bound, so it runs on tokio's blocking pool under a
+//! deadline (the tenant's `lookupTimeoutMs`, else `--tokenize-timeout`, and
+//! never past the caller's gRPC deadline): a slow prompt never stalls the
+//! async core threads that serve ingest and other lookups. Tokenizers are
+//! loaded once at start-up; a request's model id is only looked up in the
+//! loaded map. Templates are re-read when the directory changes and on
+//! SIGHUP; a bad edit keeps the last good store.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use inference_cache_tokenizer::{ChatMessage, TokenizeError, TokenizerRegistry};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use crate::prompt_templates::{RenderError, RenderedPrompt, TemplateStore};
+
+/// Flags of the tokenizer and template inputs, flattened into `inference-cache serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PromptArgs {
+    /// Directory with one subdirectory per model id (tokenizer.json plus
+    /// tokenizer_config.json or chat_template.jinja), loaded at start-up;
+    /// enables prompt_text, messages and raw_prompt lookups.
+    #[arg(long, env = "INFERENCE_CACHE_TOKENIZER_MODELS_DIR")]
+    pub tokenizer_models_dir: Option<PathBuf>,
+
+    /// Upper bound on server-side tokenization when the tenant's policy sets no lookupTimeoutMs.
+    #[arg(long, default_value = "200ms", value_parser = parse_timeout, env = "INFERENCE_CACHE_TOKENIZE_TIMEOUT")]
+    pub tokenize_timeout: Duration,
+
+    /// PromptTemplate directory served by RenderTemplate; re-read on change and on SIGHUP.
+    #[arg(
+        long,
+        default_value = "templates",
+        env = "INFERENCE_CACHE_TEMPLATES_DIR"
+    )]
+    pub templates_dir: PathBuf,
+}
+
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let d = inference_cache_index::parse_duration(text)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
+}
+
+impl PromptArgs {
+    /// Resolves the flags into settings.
+    pub fn into_settings(self) -> PromptSettings {
+        PromptSettings {
+            tokenizer_models_dir: self.tokenizer_models_dir,
+            tokenize_timeout: self.tokenize_timeout,
+            templates_dir: Some(self.templates_dir),
+        }
+    }
+}
+
+/// Resolved settings of the prompt inputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptSettings {
+    /// Tokenizer models directory; `None` disables server-side tokenization (fail open).
+    pub tokenizer_models_dir: Option<PathBuf>,
+    /// Tokenization bound when the tenant's policy sets no lookup timeout.
+    pub tokenize_timeout: Duration,
+    /// PromptTemplate directory; `None` (or a missing directory) serves no templates.
+    pub templates_dir: Option<PathBuf>,
+}
+
+impl Default for PromptSettings {
+    fn default() -> Self {
+        Self {
+            tokenizer_models_dir: None,
+            tokenize_timeout: Duration::from_millis(200),
+            templates_dir: Some(PathBuf::from("templates")),
+        }
+    }
+}
+
+/// A prompt that needs the server's tokenizer, by the input precedence
+/// messages > raw_prompt > prompt_text.
+#[derive(Debug, Clone)]
+pub enum TextInput {
+    /// A whole chat conversation (chat template, generation prompt).
+    Messages(Vec<ChatMessage>),
+    /// A `/v1/completions` string prompt (no template, special tokens added).
+    RawPrompt(String),
+    /// One user message (chat template, generation prompt).
+    PromptText(String),
+}
+
+/// Why a text input produced no token ids.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeFailure {
+    /// The deadline passed first.
+    #[error("tokenization exceeded its {0:?} budget")]
+    Timeout(Duration),
+    /// The model has no tokenizer, no chat template, or encoding failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizeError),
+    /// The blocking task died.
+    #[error("tokenization task failed: {0}")]
+    Task(String),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: String,
+}
+
+/// Tokenizers, templates and their metrics.
+pub struct PromptState {
+    tokenizers: Arc<TokenizerRegistry>,
+    tokenize_timeout: Duration,
+    templates: ArcSwap<TemplateStore>,
+    templates_dir: Option<PathBuf>,
+    tokenize_latency: Histogram,
+    template_reloads: Family<ResultLabel, Counter>,
+}
+
+impl PromptState {
+    /// Loads the tokenizers and templates. Broken model directories are logged
+    /// and skipped; an unreadable models directory or an invalid template file
+    /// fails start-up with a message naming it.
+    pub fn new(settings: &PromptSettings, registry: &mut Registry) -> anyhow::Result<Self> {
+        let tokenizers = match &settings.tokenizer_models_dir {
+            None => TokenizerRegistry::empty(),
+            Some(dir) => {
+                let started = Instant::now();
+                let (tokenizers, skipped) = TokenizerRegistry::load_dir(dir)
+                    .with_context(|| format!("loading tokenizers from {}", dir.display()))?;
+                for error in &skipped {
+                    tracing::error!("tokenizer skipped: {error}");
+                }
+                tracing::info!(
+                    dir = %dir.display(),
+                    models = ?tokenizers.model_ids(),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "tokenizers loaded"
+                );
+                tokenizers
+            }
+        };
+        let templates = match &settings.templates_dir {
+            Some(dir) if dir.is_dir() => {
+                let store = TemplateStore::load_dir(dir)
+                    .with_context(|| format!("loading templates from {}", dir.display()))?;
+                tracing::info!(dir = %dir.display(), templates = store.len(), "templates loaded");
+                store
+            }
+            Some(dir) => {
+                tracing::warn!(dir = %dir.display(), "templates directory not found; RenderTemplate answers TEMPLATE_NOT_FOUND");
+                TemplateStore::default()
+            }
+            None => TemplateStore::default(),
+        };
+        let tokenize_latency = Histogram::new(exponential_buckets(0.000_01, 2.0, 15));
+        registry.register(
+            "tokenize_latency_seconds",
+            "Server-side tokenization of prompt_text / messages / raw_prompt",
+            tokenize_latency.clone(),
+        );
+        let template_reloads = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "template_reload",
+            "Template directory loads by result (success, error)",
+            template_reloads.clone(),
+        );
+        Ok(Self {
+            tokenizers: Arc::new(tokenizers),
+            tokenize_timeout: settings.tokenize_timeout,
+            templates: ArcSwap::from_pointee(templates),
+            templates_dir: settings.templates_dir.clone().filter(|d| d.is_dir()),
+            tokenize_latency,
+            template_reloads,
+        })
+    }
+
+    /// True when a tokenizer is loaded for `model`.
+    pub fn has_tokenizer(&self, model: &str) -> bool {
+        self.tokenizers.contains(model)
+    }
+
+    /// Tokenizes `input` for `model` on the blocking pool, giving up after
+    /// `policy_timeout` (or the configured default) and never past `deadline`.
+    pub async fn tokenize(
+        &self,
+        model: &str,
+        input: TextInput,
+        policy_timeout: Option<Duration>,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<u32>, TokenizeFailure> {
+        let started = Instant::now();
+        let mut budget = policy_timeout.unwrap_or(self.tokenize_timeout);
+        if let Some(deadline) = deadline {
+            budget = budget.min(deadline.saturating_duration_since(started));
+        }
+        let tokenizers = Arc::clone(&self.tokenizers);
+        let model = model.to_owned();
+        let task = tokio::task::spawn_blocking(move || match input {
+            TextInput::Messages(messages) => tokenizers.encode_messages(&model, &messages),
+            TextInput::RawPrompt(text) => tokenizers.encode_raw_prompt(&model, &text),
+            TextInput::PromptText(text) => tokenizers.encode_prompt_text(&model, &text),
+        });
+        let result = match tokio::time::timeout(budget, task).await {
+            Err(_) => Err(TokenizeFailure::Timeout(budget)),
+            Ok(Err(join)) => Err(TokenizeFailure::Task(join.to_string())),
+            Ok(Ok(ids)) => ids.map_err(TokenizeFailure::from),
+        };
+        self.tokenize_latency
+            .observe(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Renders `template_ref` with `variables` from the current template store.
+    pub fn render(
+        &self,
+        template_ref: &str,
+        variables: &HashMap<String, String>,
+    ) -> Result<RenderedPrompt, RenderError> {
+        self.templates.load().render(template_ref, variables)
+    }
+
+    /// Re-reads the template directory; on error logs, counts and keeps the current store.
+    pub fn reload_templates(&self) -> bool {
+        let Some(dir) = &self.templates_dir else {
+            return false;
+        };
+        let (result, ok) = match TemplateStore::load_dir(dir) {
+            Ok(store) => {
+                tracing::info!(dir = %dir.display(), templates = store.len(), "templates reloaded");
+                self.templates.store(Arc::new(store));
+                ("success", true)
+            }
+            Err(error) => {
+                tracing::error!(dir = %dir.display(), "template reload failed, keeping the last good templates: {error}");
+                ("error", false)
+            }
+        };
+        self.template_reloads
+            .get_or_create(&ResultLabel {
+                result: result.to_owned(),
+            })
+            .inc();
+        ok
+    }
+
+    /// Starts the template reloader; it stops with `shutdown`.
+    pub fn spawn_background(self: &Arc<Self>, shutdown: CancellationToken) {
+        if let Some(dir) = self.templates_dir.clone() {
+            let state = Arc::clone(self);
+            crate::reload::spawn_reloader(dir, "templates", shutdown, move || {
+                state.reload_templates();
+            });
+        }
+    }
+}
