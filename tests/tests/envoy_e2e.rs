@@ -166,7 +166,21 @@ async fn affinity_hint_sends_a_prompt_to_the_same_replica_every_time() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    // The server tokenizes the conversation with a real tokenizer (Qwen3's files served as MODEL).
+    let qwen3 = std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../.cache/tokenizers/qwen3"
+    ));
+    ensure!(
+        qwen3.join("tokenizer.json").is_file(),
+        "tokenizer files missing under {}: run scripts/setup-tokenizers.sh",
+        qwen3.display()
+    );
+    let models = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(&qwen3, models.path().join(MODEL))?;
+    let mut config = inference_cache_server::ServeConfig::ephemeral();
+    config.prompts.tokenizer_models_dir = Some(models.path().to_path_buf());
+    let server = TestServer::start_with(config).await?;
     let stack = stack(server.grpc_addr(), 500).await?;
     ingest_background(&server).await?;
     let text = "Summarise the following design notes for a new engineer. ".repeat(20);
