@@ -54,6 +54,7 @@ mod model;
 mod policy;
 mod store;
 mod sweep;
+mod table;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES};

@@ -16,7 +16,8 @@
 //!
 //! Cost: one table probe per chain block while at least one replica is still
 //! in the run, with each touched shard read-locked once (windows of 32 blocks
-//! are locked first and probed after, so their cache misses overlap);
+//! are locked first, their home slots and then their holder lists touched in
+//! passes of independent loads, so their cache misses overlap);
 //! candidates live in a stack buffer. The only
 //! allocation is the result vector (and a small one on the AFFINITY_HINT /
 //! TENANT_HOT paths).
@@ -33,6 +34,7 @@ use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction};
 use parking_lot::RwLockReadGuard;
 
 use crate::store::{HashRef, Held, SHARDS, Shard, Slot, Store};
+use crate::table::keep_loads;
 
 const INLINE: usize = 16;
 /// Blocks whose shards are locked and probed together.
@@ -294,15 +296,27 @@ impl CacheIndex {
                     guards[slot.shard] = Some(self.store.shard(slot.shard).read());
                 }
             }
-            // Probe the whole window back to back (no atomics in between), so the
-            // table misses of its blocks overlap; then apply the run rule in order.
+            // Touch every block's home slot, then probe, then touch the holder
+            // lists: each pass issues independent loads, so the window's cache
+            // misses overlap instead of queueing; then apply the run rule in order.
+            let mut warm = 0;
+            for (k, b) in (start..end).enumerate() {
+                if let Some(shard) = guards[slots[k].shard].as_ref() {
+                    warm ^= shard.touch(HashRef::from_bytes(chain.hashes.get(b)), slots[k].mixed);
+                }
+            }
             let mut probed: [Option<Held<'_>>; WINDOW] = [None; WINDOW];
             for (k, b) in (start..end).enumerate() {
                 if let Some(shard) = guards[slots[k].shard].as_ref() {
                     let hash = HashRef::from_bytes(chain.hashes.get(b));
                     probed[k] = shard.get(part, hash, slots[k].mixed);
+                    warm ^= probed[k].map_or(0, |held| held.holders.as_ptr() as usize);
                 }
             }
+            for held in probed.iter().take(end - start).flatten() {
+                warm ^= held.holders.first().map_or(0, |h| h.replica as usize);
+            }
+            keep_loads(warm);
             for (k, i) in (start..end).enumerate() {
                 let tokens = i64::from(chain.token_counts[i]);
                 let held = probed[k];

@@ -9,16 +9,17 @@
 //! key reallocates it, refreshing one is in place.
 //!
 //! Concurrency: the key space is split over [`SHARDS`] shards, each a pair of
-//! `hashbrown` tables behind a `parking_lot::RwLock`, picked by a hash of the
+//! [`ProbeTable`]s behind a `parking_lot::RwLock`, picked by a hash of the
 //! key independent of the in-table hash. A chain lookup read-locks each shard
-//! it needs once, up front for a window of blocks, then probes the window with
-//! no atomic in between so the cache misses of consecutive blocks overlap;
-//! ingest takes one write lock per block. Nothing on the lookup path allocates.
+//! it needs once, up front for a window of blocks, touches every block's home
+//! slot, then probes the window with no atomic in between, so the cache misses
+//! of consecutive blocks overlap; ingest takes one write lock per block.
+//! Nothing on the lookup path allocates.
 
-use hashbrown::HashTable;
 use parking_lot::RwLock;
 
 use crate::catalog::{PartitionId, ReplicaId};
+use crate::table::{ProbeTable, Rehash};
 
 /// Number of shards (a power of two).
 pub(crate) const SHARDS: usize = 64;
@@ -80,6 +81,12 @@ struct NarrowEntry {
     token_count: u32,
 }
 
+impl Rehash for NarrowEntry {
+    fn rehash(&self) -> u64 {
+        mix(self.hash, self.part)
+    }
+}
+
 #[derive(Debug)]
 struct WideEntry {
     bytes: Box<[u8]>,
@@ -88,11 +95,17 @@ struct WideEntry {
     token_count: u32,
 }
 
+impl Rehash for WideEntry {
+    fn rehash(&self) -> u64 {
+        HashRef::Wide(&self.bytes).mixed(self.part)
+    }
+}
+
 /// One shard: narrow and wide tables.
 #[derive(Debug, Default)]
 pub(crate) struct Shard {
-    narrow: HashTable<NarrowEntry>,
-    wide: HashTable<WideEntry>,
+    narrow: ProbeTable<NarrowEntry>,
+    wide: ProbeTable<WideEntry>,
 }
 
 /// What an upsert changed.
@@ -110,6 +123,14 @@ pub(crate) struct Held<'s> {
 }
 
 impl Shard {
+    /// Starts loading the home slot of a key (see [`ProbeTable::touch`]).
+    pub fn touch(&self, hash: HashRef<'_>, mixed: u64) -> usize {
+        match hash {
+            HashRef::Narrow(_) => self.narrow.touch(mixed),
+            HashRef::Wide(_) => self.wide.touch(mixed),
+        }
+    }
+
     /// The holders of a key, if any.
     pub fn get(&self, part: PartitionId, hash: HashRef<'_>, mixed: u64) -> Option<Held<'_>> {
         match hash {
@@ -184,7 +205,6 @@ impl Shard {
                         part,
                         token_count,
                     },
-                    |e| mix(e.hash, e.part),
                 );
             }
             HashRef::Wide(b) => {
@@ -196,7 +216,6 @@ impl Shard {
                         part,
                         token_count,
                     },
-                    |e| HashRef::Wide(&e.bytes).mixed(e.part),
                 );
             }
         }
@@ -231,20 +250,11 @@ impl Shard {
         }
         match hash {
             HashRef::Narrow(h) => {
-                if let Ok(entry) = self
-                    .narrow
-                    .find_entry(mixed, |e| e.hash == h && e.part == part)
-                {
-                    entry.remove();
-                }
+                self.narrow.remove(mixed, |e| e.hash == h && e.part == part);
             }
             HashRef::Wide(b) => {
-                if let Ok(entry) = self
-                    .wide
-                    .find_entry(mixed, |e| e.part == part && *e.bytes == *b)
-                {
-                    entry.remove();
-                }
+                self.wide
+                    .remove(mixed, |e| e.part == part && *e.bytes == *b);
             }
         }
         (true, true)
@@ -303,12 +313,12 @@ impl Shard {
 
     /// Visits every (partition, key id, holder) for victim selection.
     pub fn for_each(&self, mut visit: impl FnMut(PartitionId, KeyId, &Holder)) {
-        for e in &self.narrow {
+        for e in self.narrow.iter() {
             for h in e.holders.iter() {
                 visit(e.part, KeyId::Narrow(e.hash), h);
             }
         }
-        for e in &self.wide {
+        for e in self.wide.iter() {
             for h in e.holders.iter() {
                 visit(e.part, KeyId::Wide(e.bytes.clone()), h);
             }
@@ -377,6 +387,7 @@ mod tests {
     fn layout_is_compact() {
         assert_eq!(std::mem::size_of::<Holder>(), 11);
         assert_eq!(std::mem::size_of::<NarrowEntry>(), 32);
+        assert_eq!(std::mem::size_of::<Option<NarrowEntry>>(), 32);
     }
 
     #[test]
