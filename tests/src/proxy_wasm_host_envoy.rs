@@ -1,5 +1,6 @@
 //! A real Envoy running the compiled filter, three backend HTTP servers that
-//! say who served them, and a small keep-alive HTTP/1.1 client.
+//! say who served them, and a small keep-alive HTTP/1.1 client (fixed-length
+//! or chunked request bodies).
 //!
 //! Envoy's bootstrap is `envoy/envoy.yaml` itself, with its ports, the wasm
 //! path and (optionally) plugin settings rewritten; every rewrite must find
@@ -20,8 +21,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail, ensure};
-use http_body_util::{BodyExt as _, Full};
-use hyper::body::{Bytes, Incoming};
+use futures::StreamExt as _;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
@@ -51,7 +54,8 @@ pub fn free_port() -> anyhow::Result<u16> {
 }
 
 /// A backend model server stand-in: answers every request with 200, its name
-/// in [`SERVED_BY`], and a JSON body with the name, path and body length.
+/// in [`SERVED_BY`], and a JSON body with the name, path, body length and the
+/// framing headers it received (`content_length`, `transfer_encoding`).
 pub struct Backend {
     /// Replica id it reports.
     pub name: String,
@@ -106,6 +110,16 @@ async fn answer(name: &str, request: Request<Incoming>) -> Response<Full<Bytes>>
         .and_then(|value| value.to_str().ok())
         .unwrap_or("")
         .to_owned();
+    let header = |name: &str| {
+        request
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let content_length = header("content-length");
+    let transfer_encoding = header("transfer-encoding");
     let length = match request.into_body().collect().await {
         Ok(body) => body.to_bytes().len(),
         Err(_) => 0,
@@ -115,6 +129,8 @@ async fn answer(name: &str, request: Request<Incoming>) -> Response<Full<Bytes>>
         "path": path,
         "body_bytes": length,
         "destination": destination,
+        "content_length": content_length,
+        "transfer_encoding": transfer_encoding,
     })
     .to_string();
     let mut response = Response::new(Full::new(Bytes::from(body)));
@@ -329,9 +345,12 @@ impl HttpResponse {
     }
 }
 
+/// A request body: fixed length (`Content-Length`) or streamed (chunked).
+type ClientBody = UnsyncBoxBody<Bytes, Infallible>;
+
 /// One keep-alive HTTP/1.1 connection.
 pub struct HttpClient {
-    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    sender: hyper::client::conn::http1::SendRequest<ClientBody>,
     host: String,
 }
 
@@ -353,7 +372,7 @@ impl HttpClient {
 
     /// GET `path`.
     pub async fn get(&mut self, path: &str) -> anyhow::Result<HttpResponse> {
-        self.send("GET", path, &[], Bytes::new()).await
+        self.send("GET", path, &[], fixed(Bytes::new())).await
     }
 
     /// GET `path` with extra headers.
@@ -362,7 +381,7 @@ impl HttpClient {
         path: &str,
         headers: &[(&str, &str)],
     ) -> anyhow::Result<HttpResponse> {
-        self.send("GET", path, headers, Bytes::new()).await
+        self.send("GET", path, headers, fixed(Bytes::new())).await
     }
 
     /// POST a JSON body to `path` with extra headers.
@@ -372,7 +391,27 @@ impl HttpClient {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> anyhow::Result<HttpResponse> {
-        self.send("POST", path, headers, body.into()).await
+        self.send("POST", path, headers, fixed(body.into())).await
+    }
+
+    /// POST a JSON body to `path` as `Transfer-Encoding: chunked` (no
+    /// `Content-Length`): one chunk per element of `chunks`, each written
+    /// after `pause` so they reach Envoy as separate reads.
+    pub async fn post_chunked(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        chunks: Vec<Bytes>,
+        pause: Duration,
+    ) -> anyhow::Result<HttpResponse> {
+        let frames = futures::stream::iter(chunks).then(move |chunk| async move {
+            tokio::time::sleep(pause).await;
+            Ok::<_, Infallible>(Frame::data(chunk))
+        });
+        let mut all = headers.to_vec();
+        all.push(("transfer-encoding", "chunked"));
+        let body = StreamBody::new(frames).boxed_unsync();
+        self.send("POST", path, &all, body).await
     }
 
     async fn send(
@@ -380,7 +419,7 @@ impl HttpClient {
         method: &str,
         path: &str,
         headers: &[(&str, &str)],
-        body: Bytes,
+        body: ClientBody,
     ) -> anyhow::Result<HttpResponse> {
         let mut builder = Request::builder()
             .method(method)
@@ -392,7 +431,7 @@ impl HttpClient {
         for (name, value) in headers {
             builder = builder.header(*name, *value);
         }
-        let request = builder.body(Full::new(body))?;
+        let request = builder.body(body)?;
         self.sender.ready().await?;
         let response = self.sender.send_request(request).await?;
         let status = response.status().as_u16();
@@ -404,6 +443,16 @@ impl HttpClient {
             body,
         })
     }
+}
+
+fn fixed(body: Bytes) -> ClientBody {
+    Full::new(body).boxed_unsync()
+}
+
+/// `body` cut into `count` nearly equal chunks (the last takes the remainder).
+pub fn split_body(body: &[u8], count: usize) -> Vec<Bytes> {
+    let size = body.len().div_ceil(count.max(1)).max(1);
+    body.chunks(size).map(Bytes::copy_from_slice).collect()
 }
 
 /// A completions body with a token-id prompt.

@@ -26,7 +26,9 @@ use inference_cache_proto::v1alpha1::{
     StreamMetricsRequest,
 };
 use inference_cache_tests::TestServer;
-use proxy_wasm_host_envoy::{Backend, Envoy, EnvoySetup, HttpClient, REPLICAS, tokens_body};
+use proxy_wasm_host_envoy::{
+    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, split_body, tokens_body,
+};
 use tonic::{Request, Response, Status, Streaming};
 
 const REASON: &str = "x-inferencecache-reason";
@@ -320,6 +322,111 @@ async fn bodies_over_the_limits_pass_through() -> anyhow::Result<()> {
                 .contains(&format!("\"body_bytes\":{length}"))
         );
     }
+    Ok(())
+}
+
+/// The backend's JSON answer.
+fn backend_report(response: &HttpResponse) -> anyhow::Result<serde_json::Value> {
+    serde_json::from_slice(&response.body).context("backend answer is not JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_body_is_assembled_and_routed_to_the_holder() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    let stack = stack(server.grpc_addr(), 200).await?;
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-b", &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..1_400);
+    let body = tokens_body(MODEL, &prompt);
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    // Chunk boundaries fall inside JSON tokens; the filter must parse only the whole body.
+    for count in [2, 5, 13] {
+        let chunks = split_body(body.as_bytes(), count);
+        ensure!(
+            chunks.len() == count,
+            "{} chunks, wanted {count}",
+            chunks.len()
+        );
+        let response = client
+            .post_chunked("/v1/completions", &[], chunks, Duration::from_millis(3))
+            .await?;
+        assert_eq!(response.status, 200, "{}", context(&stack));
+        assert_eq!(
+            response.header(REASON),
+            Some("PREFIX_MATCH"),
+            "{count} chunks: {}",
+            context(&stack)
+        );
+        assert_eq!(response.served_by(), Some("replica-b"));
+        let report = backend_report(&response)?;
+        assert_eq!(report["body_bytes"], body.len(), "{report}");
+        // Sent chunked, forwarded chunked: no Content-Length anywhere on the path.
+        assert_eq!(report["content_length"], "", "{report}");
+        assert_eq!(report["transfer_encoding"], "chunked", "{report}");
+    }
+    assert_eq!(
+        stack
+            .envoy
+            .stat("wasmcustom.inferencecache_filter.lookups")
+            .await?,
+        3
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_body_over_the_limit_passes_through_untouched() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    let stack = stack(server.grpc_addr(), 200).await?;
+    ingest_background(&server).await?;
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    let mut served = BTreeSet::new();
+    // No Content-Length, so the filter learns the size only while buffering:
+    // 5 MiB crosses its max_body_bytes (4 MiB); 12 MiB would also cross
+    // Envoy's 8 MiB buffer limit (413) had the filter kept buffering.
+    for (size, count) in [(5usize << 20, 20), (12 << 20, 48), (5 << 20, 20)] {
+        let padding = "x".repeat(size);
+        let body = format!(r#"{{"model":"{MODEL}","prompt":"{padding}"}}"#);
+        let response = client
+            .post_chunked(
+                "/v1/completions",
+                &[],
+                split_body(body.as_bytes(), count),
+                Duration::from_millis(2),
+            )
+            .await?;
+        assert_eq!(response.status, 200, "{size} bytes: {}", context(&stack));
+        assert_eq!(
+            response.header(REASON),
+            Some("BODY_TOO_LARGE"),
+            "{}",
+            context(&stack)
+        );
+        let report = backend_report(&response)?;
+        assert_eq!(report["body_bytes"], body.len(), "{size} bytes");
+        // No destination header: the default (round-robin) cluster served it.
+        assert_eq!(report["destination"], "", "{size} bytes");
+        assert_eq!(report["transfer_encoding"], "chunked", "{size} bytes");
+        served.insert(response.served_by().unwrap_or_default().to_owned());
+    }
+    assert_eq!(served.len(), 3, "round-robin: {served:?}");
+    let envoy = &stack.envoy;
+    assert_eq!(
+        envoy
+            .stat("wasmcustom.inferencecache_filter.lookups")
+            .await?,
+        0
+    );
+    assert_eq!(
+        envoy
+            .stat("wasmcustom.inferencecache_filter.failure.body_too_large")
+            .await?,
+        3
+    );
     Ok(())
 }
 
