@@ -1,179 +1,47 @@
 //! Subscriber throughput: engine ZMQ frames → decoded, fingerprinted,
 //! batched → blocks on the server's ReportCacheState stream / in its index.
 //!
-//! Run: `scripts/setup-subscriber.sh && cargo build -p inference-cache-server
-//! && cargo bench -p inference-cache-subscriber --bench ingest` (add
-//! `-- --quick` for a short run). Needs the venv with pyzmq + msgpack.
+//! Run: `scripts/setup-subscriber.sh && cargo bench -p
+//! inference-cache-subscriber --bench ingest` (add `-- --quick` for a short
+//! run). Needs the venv with pyzmq + msgpack. The bench itself runs `cargo
+//! build --release -p inference-cache-server` into its own target directory
+//! first (unless `$INFERENCE_CACHE_BIN` names a binary), so both sides of the
+//! measurement are release builds.
 //!
 //! The load comes from `tests/kv_publisher.py` (real pyzmq PUB, byte-exact
 //! vLLM batches, pre-encoded, then sent back to back). Two sinks: an
-//! in-process gRPC server that counts the blocks it receives (the
-//! subscriber alone), and the real `inference-cache serve` binary (found
-//! via `$INFERENCE_CACHE_BIN` or the target directory), whose index entry
-//! count is polled with GetCacheState. The clock runs from the first frame
-//! sent until every block has arrived, so the figures are end-to-end
-//! events/s and blocks/s through ZMQ, decoding, fingerprinting, the
-//! pipeline and the gRPC stream (and, for the second sink, index ingest).
-//! "blocks per CPU s" divides by the CPU time of this process (subscriber
-//! plus, for the first sink, the counting server), a figure that holds up
-//! when other work shares the machine. A decode-only number is printed too.
+//! in-process gRPC server that only counts the blocks it receives (the
+//! subscriber alone), and the real `inference-cache serve` binary, whose
+//! index entry count is polled with GetCacheState. The clock runs from the
+//! first frame sent until every block has arrived, so the figures are
+//! end-to-end events/s and blocks/s through ZMQ, decoding, fingerprinting,
+//! the pipeline and the gRPC stream (and, for the second sink, index
+//! ingest). The CPU columns are the CPU time of this process (subscriber
+//! plus, for the first sink, the counting server) and of the server process;
+//! "blocks per CPU s" divides by their sum, a figure that holds up when other
+//! work shares the machine. A decode-only number is printed too.
 //! Target: ≥ 200k blocks/s.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::io::{BufRead, BufReader, Write};
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use inference_cache_proto::v1alpha1::inference_cache_server::{
-    InferenceCache, InferenceCacheServer,
-};
-use inference_cache_proto::v1alpha1::*;
-use inference_cache_subscriber::{SubscribeArgs, Subscriber, decode_batch};
-use serde_json::{Value, json};
-use tokio_stream::StreamExt;
-use tonic::{Request, Response, Status, Streaming};
+use common::{Publisher, RecordingServer, ServerProcess, free_port, metric, subscriber};
+use inference_cache_proto::v1alpha1::GetCacheStateRequest;
+use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inference_cache_subscriber::decode_batch;
+use serde_json::json;
+use tonic::transport::Channel;
 
-#[derive(Clone, Default)]
-struct Counter {
-    blocks: Arc<AtomicU64>,
-}
-
-#[tonic::async_trait]
-impl InferenceCache for Counter {
-    async fn render_template(
-        &self,
-        _: Request<RenderTemplateRequest>,
-    ) -> Result<Response<RenderTemplateResponse>, Status> {
-        Err(Status::unimplemented(""))
-    }
-    async fn lookup_route(
-        &self,
-        _: Request<LookupRouteRequest>,
-    ) -> Result<Response<LookupRouteResponse>, Status> {
-        Err(Status::unimplemented(""))
-    }
-    async fn lookup_pd_route(
-        &self,
-        _: Request<LookupPdRouteRequest>,
-    ) -> Result<Response<LookupPdRouteResponse>, Status> {
-        Err(Status::unimplemented(""))
-    }
-    async fn get_cache_state(
-        &self,
-        _: Request<GetCacheStateRequest>,
-    ) -> Result<Response<GetCacheStateResponse>, Status> {
-        Err(Status::unimplemented(""))
-    }
-    async fn report_cache_state(
-        &self,
-        request: Request<Streaming<CacheStateUpdate>>,
-    ) -> Result<Response<Ack>, Status> {
-        let mut stream = request.into_inner();
-        while let Some(update) = stream.next().await {
-            let blocks: usize = update?.prefixes.iter().map(|p| p.block_hashes.len()).sum();
-            self.blocks.fetch_add(blocks as u64, Ordering::Relaxed);
-        }
-        Ok(Response::new(Ack {
-            accepted: true,
-            reason_code: "OK".into(),
-        }))
-    }
-    async fn publish_event(&self, _: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
-        Ok(Response::new(Ack {
-            accepted: true,
-            reason_code: "OK".into(),
-        }))
-    }
-    type StreamCacheEventsStream = tokio_stream::Empty<Result<CacheEvent, Status>>;
-    async fn stream_cache_events(
-        &self,
-        _: Request<StreamEventsRequest>,
-    ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
-    }
-    type StreamMetricsStream = tokio_stream::Empty<Result<Metric, Status>>;
-    async fn stream_metrics(
-        &self,
-        _: Request<StreamMetricsRequest>,
-    ) -> Result<Response<Self::StreamMetricsStream>, Status> {
-        Ok(Response::new(tokio_stream::empty()))
-    }
-}
-
-struct Publisher {
-    stdin: std::process::ChildStdin,
-    stdout: BufReader<std::process::ChildStdout>,
-    child: std::process::Child,
-    endpoint: String,
-}
-
-impl Publisher {
-    fn start() -> Self {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let python = std::env::var_os("KV_EVENTS_PYTHON")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("../.cache/venv/bin/python"));
-        let mut child = Command::new(&python)
-            .arg(root.join("tests/kv_publisher.py"))
-            .arg("serve")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("{}: {e}; run scripts/setup-subscriber.sh", python.display())
-            });
-        let stdin = child.stdin.take().expect("stdin");
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("greeting");
-        let hello: Value = serde_json::from_str(&line).unwrap_or_else(|_| {
-            panic!("publisher failed to start ({line:?}); run scripts/setup-subscriber.sh")
-        });
-        Self {
-            stdin,
-            stdout,
-            child,
-            endpoint: hello["pub"].as_str().expect("pub").to_owned(),
-        }
-    }
-
-    fn command(&mut self, command: Value) -> Value {
-        self.send(command);
-        self.answer()
-    }
-
-    /// Writes a command without waiting for its answer.
-    fn send(&mut self, command: Value) {
-        writeln!(self.stdin, "{command}").expect("write");
-        self.stdin.flush().expect("flush");
-    }
-
-    /// Reads the next answer line.
-    fn answer(&mut self) -> Value {
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("read");
-        serde_json::from_str(&line).expect("json")
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        let _ = self.stdin.flush();
-        std::thread::sleep(Duration::from_millis(200));
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// CPU seconds (user + system, all threads) this process has used so far,
-/// from `/proc/self/stat` (clock ticks of 10 ms).
-fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// CPU seconds (user + system, all threads) process `pid` (or `self`) has
+/// used so far, from `/proc/<pid>/stat` (clock ticks of 10 ms).
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the parenthesised command name; utime and stime are the
     // 14th and 15th fields of the whole line.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
@@ -189,186 +57,149 @@ fn process_cpu_seconds() -> f64 {
 
 fn print_header() {
     println!(
-        "| workload | events | blocks | wall s | events/s | blocks/s | CPU s | blocks per CPU s | publisher send s |"
+        "| workload | events | blocks | wall s | events/s | blocks/s | bench CPU s | server CPU s | blocks per CPU s | blocks per update | publisher send s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+}
+
+/// Builds the release server binary with cargo (into this bench's target
+/// directory) unless `$INFERENCE_CACHE_BIN` names one; returns its path.
+fn release_server() -> PathBuf {
+    if std::env::var_os("INFERENCE_CACHE_BIN").is_none() {
+        let exe = std::env::current_exe().expect("bench executable path");
+        // target/release/deps/<bench> → target
+        let target_dir = exe
+            .ancestors()
+            .nth(3)
+            .expect("target directory")
+            .to_path_buf();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--release", "-p", "inference-cache-server"])
+            .args(["--bin", "inference-cache"])
+            .env("CARGO_TARGET_DIR", &target_dir)
+            .status()
+            .expect("run cargo");
+        assert!(
+            status.success(),
+            "cargo build --release -p inference-cache-server failed"
+        );
+    }
+    common::server_binary()
 }
 
 /// Where the subscriber reports to.
 enum Sink {
     /// An in-process server counting blocks (measures the subscriber alone).
-    Counting,
+    Counting(RecordingServer),
     /// The real server binary; progress is its index's entry count.
-    Server(PathBuf),
+    Server(ServerProcess, InferenceCacheClient<Channel>),
 }
 
-/// `$INFERENCE_CACHE_BIN`, else `target/<profile>/inference-cache` next to this bench.
-fn server_binary() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("INFERENCE_CACHE_BIN") {
-        return Some(PathBuf::from(path));
+impl Sink {
+    async fn start(real_server: bool) -> Self {
+        if !real_server {
+            return Sink::Counting(RecordingServer::start_counting(free_port()).await);
+        }
+        let server = ServerProcess::start(free_port()).await;
+        let client = InferenceCacheClient::connect(format!("http://{}", server.addr))
+            .await
+            .expect("connect");
+        Sink::Server(server, client)
     }
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?.parent()?;
-    ["inference-cache"]
-        .iter()
-        .map(|name| profile_dir.join(name))
-        .chain(
-            profile_dir
-                .parent()
-                .map(|t| t.join("debug/inference-cache")),
-        )
-        .find(|p| p.is_file())
-}
 
-struct ServerProcess(std::process::Child);
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+    fn addr(&self) -> std::net::SocketAddr {
+        match self {
+            Sink::Counting(server) => server.addr,
+            Sink::Server(server, _) => server.addr,
+        }
     }
-}
 
-/// Progress of one run: blocks counted, or entries in the real index.
-async fn progress(sink: &Sink, counter: &Counter, addr: std::net::SocketAddr) -> u64 {
-    match sink {
-        Sink::Counting => counter.blocks.load(Ordering::Relaxed),
-        Sink::Server(_) => {
-            let Ok(mut client) =
-                inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient::connect(
-                    format!("http://{addr}"),
-                )
-                .await
-            else {
-                return 0;
-            };
-            client
+    /// Blocks counted, or entries in the real index.
+    async fn progress(&mut self) -> u64 {
+        match self {
+            Sink::Counting(server) => server.blocks_received(),
+            Sink::Server(_, client) => client
                 .get_cache_state(GetCacheStateRequest {
-                    model_id: "bench".into(),
-                    tenant_id: "bench".into(),
+                    model_id: "qwen3".into(),
+                    tenant_id: "team-a".into(),
                 })
                 .await
                 .ok()
                 .and_then(|r| r.into_inner().summary)
                 .map(|s| u64::try_from(s.entry_count).unwrap_or(0))
-                .unwrap_or(0)
+                .unwrap_or(0),
+        }
+    }
+
+    fn server_cpu_seconds(&self) -> f64 {
+        match self {
+            Sink::Counting(_) => 0.0,
+            Sink::Server(server, _) => cpu_seconds(&server.pid().to_string()),
+        }
+    }
+
+    fn poll_interval(&self) -> Duration {
+        match self {
+            Sink::Counting(_) => Duration::from_millis(1),
+            Sink::Server(..) => Duration::from_millis(20),
         }
     }
 }
 
-async fn measure(run: &Run, sink: Sink) {
-    let counter = Counter::default();
-    let (addr, _server_process, server_task) = match &sink {
-        Sink::Counting => {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            let addr = listener.local_addr().expect("addr");
-            let service = InferenceCacheServer::new(counter.clone());
-            let task = tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(service)
-                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-            );
-            (addr, None, Some(task))
-        }
-        Sink::Server(binary) => {
-            let addr = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("free port");
-            let child = Command::new(binary)
-                .args([
-                    "serve",
-                    "--grpc-addr",
-                    &addr.to_string(),
-                    "--admin-addr",
-                    "127.0.0.1:0",
-                ])
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::null())
-                .spawn()
-                .expect("spawn inference-cache");
-            let process = ServerProcess(child);
-            let ready_by = Instant::now() + Duration::from_secs(20);
-            while inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient::connect(
-                format!("http://{addr}"),
-            )
-            .await
-            .is_err()
-            {
-                assert!(Instant::now() < ready_by, "server did not start");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            (addr, Some(process), None)
-        }
-    };
-    let poll = match sink {
-        Sink::Counting => Duration::from_millis(1),
-        Sink::Server(_) => Duration::from_millis(20),
-    };
-    let mut publisher = tokio::task::block_in_place(Publisher::start);
-    let args = SubscribeArgs::try_parse_from([
-        "subscribe",
-        "--endpoint",
-        &publisher.endpoint,
-        "--server",
-        &format!("http://{addr}"),
-        "--replica-id",
-        "bench",
-        "--tenant",
-        "bench",
-        "--model",
-        "bench",
-        "--metrics-listen",
-        "off",
-        "--buffer-size",
-        "10000000",
-        "--max-tracked-blocks",
-        "10000000",
-    ])
-    .expect("flags");
-    let subscriber = Subscriber::start(args.resolve().expect("settings"))
-        .await
-        .expect("start");
-    tokio::task::block_in_place(|| {
-        publisher.command(json!({"op": "wait_subscriber", "count": 1, "timeout": 20}))
-    });
+async fn measure(run: &Run, real_server: bool) {
+    let mut sink = Sink::start(real_server).await;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(
+        &publisher,
+        sink.addr(),
+        false,
+        &[
+            "--buffer-size",
+            "10000000",
+            "--max-tracked-blocks",
+            "10000000",
+        ],
+    )
+    .await;
+    publisher.wait_subscriber(1);
     // Warm-up: one block whose tokens equal the run's first block (the real
     // index counts it once), also proving the path is connected.
-    tokio::task::block_in_place(|| {
-        publisher.command(json!({"op": "prepare", "batches": 1, "events_per_batch": 1,
-            "blocks_per_event": 1, "first_hash": 1_000_000_000u64}));
-        publisher.command(json!({"op": "blast"}))
-    });
-    while progress(&sink, &counter, addr).await < 1 {
+    publisher.command(json!({"op": "prepare", "batches": 1, "events_per_batch": 1,
+        "blocks_per_event": 1, "first_hash": 1_000_000_000u64}));
+    publisher.command(json!({"op": "blast"}));
+    while sink.progress().await < 1 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let blocks = run.batches * run.events_per_batch * run.blocks_per_event;
     let target = match sink {
-        Sink::Counting => blocks + 1,
-        Sink::Server(_) => blocks,
+        Sink::Counting(_) => blocks + 1,
+        Sink::Server(..) => blocks,
     };
-    tokio::task::block_in_place(|| {
-        publisher.command(json!({"op": "prepare", "batches": run.batches,
-            "events_per_batch": run.events_per_batch, "blocks_per_event": run.blocks_per_event}))
-    });
-    let cpu_start = process_cpu_seconds();
+    publisher.command(json!({"op": "prepare", "batches": run.batches,
+        "events_per_batch": run.events_per_batch, "blocks_per_event": run.blocks_per_event}));
+    let poll = sink.poll_interval();
+    let cpu_start = cpu_seconds("self");
+    let server_cpu_start = sink.server_cpu_seconds();
     let start = Instant::now();
-    publisher.send(json!({"op": "blast"}));
+    publisher.send(&json!({"op": "blast"}));
     let deadline = start + Duration::from_secs(120);
-    let mut done = progress(&sink, &counter, addr).await;
+    let mut done = sink.progress().await;
     while done < target && Instant::now() < deadline {
         tokio::time::sleep(poll).await;
-        done = progress(&sink, &counter, addr).await;
+        done = sink.progress().await;
     }
     let seconds = start.elapsed().as_secs_f64();
-    let cpu = process_cpu_seconds() - cpu_start;
-    let answer = tokio::task::block_in_place(|| publisher.answer());
+    let cpu = cpu_seconds("self") - cpu_start;
+    let server_cpu = sink.server_cpu_seconds() - server_cpu_start;
+    let answer = publisher.answer();
+    let updates = metric(&sub, "inferencecache_subscriber_updates_sent_total");
+    let sent = metric(&sub, "inferencecache_subscriber_blocks_sent_total");
     let received = done.min(target) - (target - blocks);
     let events = (run.batches * run.events_per_batch) as f64;
     let complete = if done >= target { "" } else { " (INCOMPLETE)" };
     println!(
-        "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.2} | {:.0} | {:.3} |",
+        "| {}{} | {} | {} | {:.3} | {:.0} | {:.0} | {:.2} | {:.2} | {:.0} | {:.0} | {:.3} |",
         run.label,
         complete,
         events,
@@ -377,13 +208,12 @@ async fn measure(run: &Run, sink: Sink) {
         events / seconds,
         received as f64 / seconds,
         cpu,
-        received as f64 / cpu.max(0.01),
+        server_cpu,
+        received as f64 / (cpu + server_cpu).max(0.01),
+        sent / updates.max(1.0),
         answer["send_seconds"].as_f64().unwrap_or(f64::NAN)
     );
-    subscriber.shutdown().await;
-    if let Some(task) = server_task {
-        task.abort();
-    }
+    sub.shutdown().await;
 }
 
 struct Run {
@@ -459,25 +289,19 @@ fn main() {
             blocks_per_event: 32,
         },
     ];
+    let binary = release_server();
     println!("Sink: in-process gRPC server counting received blocks\n");
     print_header();
     for run in &runs {
-        runtime.block_on(measure(run, Sink::Counting));
+        runtime.block_on(measure(run, false));
     }
-    match server_binary() {
-        Some(binary) => {
-            println!(
-                "\nSink: the `inference-cache serve` binary's index ({}); progress read with GetCacheState\n",
-                binary.display()
-            );
-            print_header();
-            for run in &runs {
-                runtime.block_on(measure(run, Sink::Server(binary.clone())));
-            }
-        }
-        None => println!(
-            "\n(no inference-cache binary: `cargo build -p inference-cache-server` to measure into the real index)"
-        ),
+    println!(
+        "\nSink: the `inference-cache serve` binary's index ({}); progress read with GetCacheState\n",
+        binary.display()
+    );
+    print_header();
+    for run in &runs {
+        runtime.block_on(measure(run, true));
     }
     let (events_per_s, blocks_per_s) = decode_only(if quick { 2_000 } else { 10_000 }, 16, 4);
     println!(

@@ -136,14 +136,14 @@ struct Fields {
 fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
     const BAD: DecodeError = DecodeError::Shape("bad event field");
     let mut fields = Fields::default();
-    let tag: String;
+    let tag: &str;
     match reader.peek()? {
         0x90..=0x9f | 0xdc | 0xdd => {
             let len = reader.array_len()?;
             if len == 0 {
                 return Err(BAD);
             }
-            tag = reader.str()?.ok_or(BAD)?.to_owned();
+            tag = reader.str()?.ok_or(BAD)?;
             // Positions depend on the type; other types' fields are skipped.
             let (stored, removed) = (tag == "BlockStored", tag == "BlockRemoved");
             for index in 1..len {
@@ -164,7 +164,7 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
             let mut found_tag = None;
             for _ in 0..len {
                 match reader.str()? {
-                    Some("type") => found_tag = Some(reader.str()?.ok_or(BAD)?.to_owned()),
+                    Some("type") => found_tag = Some(reader.str()?.ok_or(BAD)?),
                     Some("block_hashes") => fields.block_hashes = Some(reader.hashes()?),
                     Some("parent_block_hash") => {
                         fields.parent_block_hash = reader.optional_hash()?;
@@ -181,7 +181,7 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
         }
         _ => return Err(BAD),
     }
-    Ok(match tag.as_str() {
+    Ok(match tag {
         "BlockStored" => Some(KvEvent::Stored(BlockStored {
             block_hashes: fields.block_hashes.ok_or(BAD)?,
             parent_block_hash: fields.parent_block_hash,

@@ -82,11 +82,17 @@ impl Medium {
         let Some(name) = medium else {
             return Medium::Device;
         };
-        let lower = name.trim().to_ascii_lowercase();
-        let device = lower.is_empty()
+        let name = name.trim().as_bytes();
+        // Case-insensitive substring test without a lowercased copy: this
+        // runs once per event.
+        let mentions = |word: &str| {
+            name.windows(word.len())
+                .any(|window| window.eq_ignore_ascii_case(word.as_bytes()))
+        };
+        let device = name.is_empty()
             || ["gpu", "cuda", "hbm", "device", "xpu", "npu", "tpu", "hpu"]
                 .iter()
-                .any(|d| lower.contains(d));
+                .any(|d| mentions(d));
         if device {
             Medium::Device
         } else {
@@ -107,5 +113,8 @@ mod tests {
         assert_eq!(Medium::classify(Some("CPU")), Medium::Offload);
         assert_eq!(Medium::classify(Some("disk")), Medium::Offload);
         assert_eq!(Medium::classify(Some("LocalDisk")), Medium::Offload);
+        assert_eq!(Medium::classify(Some(" Device ")), Medium::Device);
+        assert_eq!(Medium::classify(Some("")), Medium::Device);
+        assert_eq!(Medium::classify(Some("G")), Medium::Offload);
     }
 }

@@ -16,7 +16,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 type Labeled = Family<[(&'static str, &'static str); 1], Counter>;
 
@@ -67,131 +67,112 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("inferencecache_subscriber");
-        let mut counter = |name: &str, help: &str| {
-            let c = Counter::default();
-            registry.register(name, help, c.clone());
-            c
-        };
-        let frames = counter("frames", "ZMQ messages received from engine publishers");
-        let frames_malformed = counter(
-            "frames_malformed",
-            "ZMQ messages skipped because they are not KV-event batches",
-        );
-        let events_skipped = counter(
-            "events_skipped",
-            "Events inside a batch skipped as unreadable or of an unknown type",
-        );
-        let blocks_stored = counter(
-            "blocks_stored",
-            "Blocks stored by engines and fingerprinted",
-        );
-        let blocks_removed = counter("blocks_removed", "Tracked blocks removed by engines");
-        let removals_unknown = counter(
-            "removals_unknown",
-            "Removed blocks whose engine hash was not tracked",
-        );
-        let tier2_rereports = counter(
-            "tier2_rereports",
-            "Blocks evicted from the device and re-reported at tier T2",
-        );
-        let sequence_gaps = counter("sequence_gaps", "Sequence gaps seen on publisher streams");
-        let batches_missed = counter(
-            "batches_missed",
-            "Batches lost in sequence gaps that replay did not recover",
-        );
-        let batches_replayed = counter("batches_replayed", "Batches recovered through replay");
-        let replay_failures = counter(
-            "replay_failures",
-            "Replay requests that failed or timed out",
-        );
-        let publisher_restarts = counter(
-            "publisher_restarts",
-            "Sequence numbers that went backwards (an engine restart)",
-        );
-        let zmq_connects = counter("zmq_connects", "ZMQ subscriptions established");
-        let zmq_errors = counter("zmq_errors", "ZMQ connect or receive errors");
-        let buffer_dropped = counter(
-            "buffer_dropped",
-            "Pending blocks or events dropped, oldest first, because the buffer was full",
-        );
-        let updates_sent = counter("updates_sent", "CacheStateUpdate messages sent");
-        let blocks_sent = counter(
-            "blocks_sent",
-            "Block entries sent in CacheStateUpdate messages",
-        );
-        let events_published = counter("events_published", "CacheEvent messages published");
-        let server_errors = counter(
-            "server_errors",
-            "Failed calls to the inference-cache server",
-        );
-        let acks_rejected = counter(
-            "acks_rejected",
-            "Acks from the server with accepted = false",
-        );
-        let resyncs = counter(
-            "resyncs",
-            "Full re-reports of the tracked state after a server failure or buffer overflow",
-        );
-
-        let refreshes = counter(
-            "refreshes",
-            "Periodic re-reports of every held block (eviction-TTL keep-alive)",
-        );
-
-        let events = Labeled::default();
-        registry.register("events", "Engine events by type", events.clone());
-        let dropped = Labeled::default();
-        registry.register(
-            "blocks_dropped",
-            "Stored blocks not reported, by reason",
-            dropped.clone(),
-        );
-        let buffer_items = Gauge::default();
-        registry.register(
-            "buffer_items",
-            "Blocks and events waiting to be sent to the server",
-            buffer_items.clone(),
-        );
-        let tracked_blocks = Gauge::default();
-        registry.register(
-            "tracked_blocks",
-            "Engine block hashes remembered for chaining and removals",
-            tracked_blocks.clone(),
-        );
+        let r = &mut registry;
+        let events: Labeled = register(r, "events", "Engine events by type");
+        let dropped: Labeled =
+            register(r, "blocks_dropped", "Stored blocks not reported, by reason");
         let event = |kind| events.get_or_create(&[("type", kind)]).clone();
         let drop = |reason| dropped.get_or_create(&[("reason", reason)]).clone();
         Self {
-            frames,
-            frames_malformed,
+            frames: register(r, "frames", "ZMQ messages received from engine publishers"),
+            frames_malformed: register(
+                r,
+                "frames_malformed",
+                "ZMQ messages skipped because they are not KV-event batches",
+            ),
             events_stored: event("BlockStored"),
             events_removed: event("BlockRemoved"),
             events_cleared: event("AllBlocksCleared"),
-            events_skipped,
-            blocks_stored,
-            blocks_removed,
+            events_skipped: register(
+                r,
+                "events_skipped",
+                "Events inside a batch skipped as unreadable or of an unknown type",
+            ),
+            blocks_stored: register(
+                r,
+                "blocks_stored",
+                "Blocks stored by engines and fingerprinted",
+            ),
+            blocks_removed: register(r, "blocks_removed", "Tracked blocks removed by engines"),
             dropped_unmapped_lora: drop("unmapped_lora"),
             dropped_unknown_parent: drop("unknown_parent"),
             dropped_block_size: drop("block_size_mismatch"),
             dropped_token_mismatch: drop("token_count_mismatch"),
-            removals_unknown,
-            tier2_rereports,
-            sequence_gaps,
-            batches_missed,
-            batches_replayed,
-            replay_failures,
-            publisher_restarts,
-            zmq_connects,
-            zmq_errors,
-            buffer_dropped,
-            buffer_items,
-            tracked_blocks,
-            updates_sent,
-            blocks_sent,
-            events_published,
-            server_errors,
-            acks_rejected,
-            resyncs,
-            refreshes,
+            removals_unknown: register(
+                r,
+                "removals_unknown",
+                "Removed blocks whose engine hash was not tracked",
+            ),
+            tier2_rereports: register(
+                r,
+                "tier2_rereports",
+                "Blocks evicted from the device and re-reported at tier T2",
+            ),
+            sequence_gaps: register(
+                r,
+                "sequence_gaps",
+                "Sequence gaps seen on publisher streams",
+            ),
+            batches_missed: register(
+                r,
+                "batches_missed",
+                "Batches lost in sequence gaps that replay did not recover",
+            ),
+            batches_replayed: register(r, "batches_replayed", "Batches recovered through replay"),
+            replay_failures: register(
+                r,
+                "replay_failures",
+                "Replay requests that failed or timed out",
+            ),
+            publisher_restarts: register(
+                r,
+                "publisher_restarts",
+                "Sequence numbers that went backwards (an engine restart)",
+            ),
+            zmq_connects: register(r, "zmq_connects", "ZMQ subscriptions established"),
+            zmq_errors: register(r, "zmq_errors", "ZMQ connect or receive errors"),
+            buffer_dropped: register(
+                r,
+                "buffer_dropped",
+                "Pending blocks or events dropped, oldest first, because the buffer was full",
+            ),
+            buffer_items: register(
+                r,
+                "buffer_items",
+                "Blocks and events waiting to be sent to the server",
+            ),
+            tracked_blocks: register(
+                r,
+                "tracked_blocks",
+                "Engine block hashes remembered for chaining and removals",
+            ),
+            updates_sent: register(r, "updates_sent", "CacheStateUpdate messages sent"),
+            blocks_sent: register(
+                r,
+                "blocks_sent",
+                "Block entries sent in CacheStateUpdate messages",
+            ),
+            events_published: register(r, "events_published", "CacheEvent messages published"),
+            server_errors: register(
+                r,
+                "server_errors",
+                "Failed calls to the inference-cache server",
+            ),
+            acks_rejected: register(
+                r,
+                "acks_rejected",
+                "Acks from the server with accepted = false",
+            ),
+            resyncs: register(
+                r,
+                "resyncs",
+                "Full re-reports of the tracked state after a server failure or buffer overflow",
+            ),
+            refreshes: register(
+                r,
+                "refreshes",
+                "Periodic re-reports of every held block (eviction-TTL keep-alive)",
+            ),
             registry,
         }
     }
@@ -212,6 +193,14 @@ impl Metrics {
             (key == name).then(|| value.parse().ok()).flatten()
         })
     }
+}
+
+/// Creates a metric, registers it under `name` with `help` and returns the
+/// handle kept for the hot path.
+fn register<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    let metric = M::default();
+    registry.register(name, help, metric.clone());
+    metric
 }
 
 /// Binds the `/metrics` listener; serves until `shutdown` resolves.

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use inference_cache_proto::v1alpha1::inference_cache_server::{
@@ -88,18 +89,30 @@ impl Publisher {
 
     /// Sends one command and returns its JSON answer.
     pub fn command(&mut self, command: Value) -> Value {
+        self.send(&command);
+        let answer = self.answer();
+        assert_eq!(
+            answer["ok"],
+            json!(true),
+            "publisher command {command} failed: {answer}"
+        );
+        answer
+    }
+
+    /// Writes one command without waiting for its answer.
+    pub fn send(&mut self, command: &Value) {
         tokio::task::block_in_place(|| {
             writeln!(self.stdin, "{command}").expect("write command");
             self.stdin.flush().expect("flush");
+        });
+    }
+
+    /// Reads the answer to the oldest unanswered command.
+    pub fn answer(&mut self) -> Value {
+        tokio::task::block_in_place(|| {
             let mut line = String::new();
             self.stdout.read_line(&mut line).expect("read answer");
-            let answer: Value = serde_json::from_str(&line).expect("answer json");
-            assert_eq!(
-                answer["ok"],
-                json!(true),
-                "publisher command {command} failed: {answer}"
-            );
-            answer
+            serde_json::from_str(&line).expect("answer json")
         })
     }
 
@@ -180,7 +193,12 @@ impl Received {
 }
 
 #[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Received>>);
+struct Recorder {
+    received: Arc<Mutex<Received>>,
+    blocks: Arc<AtomicU64>,
+    /// Keep the updates themselves (off: only count their blocks).
+    keep_updates: bool,
+}
 
 #[tonic::async_trait]
 impl InferenceCache for Recorder {
@@ -212,10 +230,15 @@ impl InferenceCache for Recorder {
         &self,
         request: Request<Streaming<CacheStateUpdate>>,
     ) -> Result<Response<Ack>, Status> {
-        self.0.lock().streams += 1;
+        self.received.lock().streams += 1;
         let mut stream = request.into_inner();
         while let Some(update) = stream.next().await {
-            self.0.lock().updates.push(update?);
+            let update = update?;
+            let blocks: usize = update.prefixes.iter().map(|p| p.block_hashes.len()).sum();
+            self.blocks.fetch_add(blocks as u64, Ordering::Relaxed);
+            if self.keep_updates {
+                self.received.lock().updates.push(update);
+            }
         }
         Ok(Response::new(Ack {
             accepted: true,
@@ -223,7 +246,7 @@ impl InferenceCache for Recorder {
         }))
     }
     async fn publish_event(&self, request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
-        self.0.lock().events.push(request.into_inner());
+        self.received.lock().events.push(request.into_inner());
         Ok(Response::new(Ack {
             accepted: true,
             reason_code: "OK".into(),
@@ -251,12 +274,23 @@ impl InferenceCache for Recorder {
 pub struct RecordingServer {
     pub addr: SocketAddr,
     received: Arc<Mutex<Received>>,
+    blocks: Arc<AtomicU64>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl RecordingServer {
     /// Listens on `addr` (port 0 for an ephemeral one).
     pub async fn start(addr: SocketAddr) -> Self {
+        Self::listen(addr, true)
+    }
+
+    /// Like [`RecordingServer::start`], but only counts the blocks it
+    /// receives (no copy of the updates is kept).
+    pub async fn start_counting(addr: SocketAddr) -> Self {
+        Self::listen(addr, false)
+    }
+
+    fn listen(addr: SocketAddr, keep_updates: bool) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -265,8 +299,12 @@ impl RecordingServer {
         let listener = std::net::TcpListener::bind(addr).expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("addr");
-        let recorder = Recorder::default();
-        let received = recorder.0.clone();
+        let recorder = Recorder {
+            keep_updates,
+            ..Recorder::default()
+        };
+        let received = recorder.received.clone();
+        let blocks = recorder.blocks.clone();
         runtime.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -278,8 +316,14 @@ impl RecordingServer {
         Self {
             addr,
             received,
+            blocks,
             runtime: Some(runtime),
         }
+    }
+
+    /// Blocks received on ReportCacheState streams so far.
+    pub fn blocks_received(&self) -> u64 {
+        self.blocks.load(Ordering::Relaxed)
     }
 
     /// A copy of everything received so far.
@@ -376,9 +420,14 @@ pub fn server_binary() -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("target/<profile> directory");
     let path = profile_dir.join("inference-cache");
+    let release = if profile_dir.ends_with("release") {
+        " --release"
+    } else {
+        ""
+    };
     assert!(
         path.is_file(),
-        "{} not found: build the server first with `cargo build -p inference-cache-server` \
+        "{} not found: build the server first with `cargo build{release} -p inference-cache-server` \
          (same CARGO_TARGET_DIR), or set INFERENCE_CACHE_BIN",
         path.display()
     );
@@ -432,6 +481,11 @@ impl ServerProcess {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The process id (for reading its CPU time).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Kills the process (SIGKILL: a crash, no draining).
