@@ -8,11 +8,20 @@
 //! engine will cache); a string prompt goes as `raw_prompt` and a chat
 //! conversation as `messages`, which the server tokenizes. Nothing here
 //! panics on request data: every malformed shape is a [`BodyError`].
-//! Cost: one pass over the body, plus one hash per 16 tokens.
+//! Cost: one pass over the body, plus one hash per 16 tokens. The fields
+//! that take several shapes (`prompt`, a message's `content`) are read by
+//! hand-written visitors that pick the shape from the first JSON token, so
+//! a prompt is decoded once, straight into its final type, instead of being
+//! buffered and re-read per candidate shape; fields the filter does not use
+//! (images, sampling parameters) are skipped without being copied.
+
+use std::fmt;
 
 use inference_cache_fingerprint::request_chain;
 use inference_cache_proto::v1alpha1::{ChatMessage, LookupRouteRequest};
 use serde::Deserialize;
+use serde::de::value::SeqAccessDeserializer;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 
 use crate::config::Settings;
 
@@ -88,13 +97,107 @@ struct CompletionsBody {
     prompt: Option<PromptField>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `prompt`: a string, token ids, a list of strings or a list of token-id lists.
 enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
     TokenLists(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for PromptField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = PromptField;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("a string, token ids, or a list of strings or of token-id lists")
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<PromptField, E> {
+        Ok(PromptField::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<PromptField, E> {
+        Ok(PromptField::Text(text))
+    }
+
+    /// The first element fixes the shape; every later one must have it too.
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptField, A::Error> {
+        let Some(first) = seq.next_element::<PromptElement>()? else {
+            return Ok(PromptField::Tokens(Vec::new()));
+        };
+        Ok(match first {
+            PromptElement::Token(token) => {
+                let mut tokens = vec![token];
+                while let Some(token) = seq.next_element::<u32>()? {
+                    tokens.push(token);
+                }
+                PromptField::Tokens(tokens)
+            }
+            PromptElement::Text(text) => {
+                let mut texts = vec![text];
+                while let Some(text) = seq.next_element::<String>()? {
+                    texts.push(text);
+                }
+                PromptField::Texts(texts)
+            }
+            PromptElement::Tokens(tokens) => {
+                let mut lists = vec![tokens];
+                while let Some(tokens) = seq.next_element::<Vec<u32>>()? {
+                    lists.push(tokens);
+                }
+                PromptField::TokenLists(lists)
+            }
+        })
+    }
+}
+
+/// The first element of a list `prompt`.
+enum PromptElement {
+    Token(u32),
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptElement {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptElementVisitor)
+    }
+}
+
+struct PromptElementVisitor;
+
+impl<'de> Visitor<'de> for PromptElementVisitor {
+    type Value = PromptElement;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("a token id, a string or a list of token ids")
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<PromptElement, E> {
+        u32::try_from(value)
+            .map(PromptElement::Token)
+            .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(value), &self))
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<PromptElement, E> {
+        Ok(PromptElement::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<PromptElement, E> {
+        Ok(PromptElement::Text(text))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<PromptElement, A::Error> {
+        Vec::<u32>::deserialize(SeqAccessDeserializer::new(seq)).map(PromptElement::Tokens)
+    }
 }
 
 #[derive(Deserialize)]
@@ -112,11 +215,38 @@ struct ChatTurn {
     content: Option<ContentField>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// A message's `content`: a string or a list of typed parts.
 enum ContentField {
     Text(String),
     Parts(Vec<ContentPart>),
+}
+
+impl<'de> Deserialize<'de> for ContentField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ContentVisitor)
+    }
+}
+
+struct ContentVisitor;
+
+impl<'de> Visitor<'de> for ContentVisitor {
+    type Value = ContentField;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("a string or a list of content parts")
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<ContentField, E> {
+        Ok(ContentField::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<ContentField, E> {
+        Ok(ContentField::Text(text))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<ContentField, A::Error> {
+        Vec::<ContentPart>::deserialize(SeqAccessDeserializer::new(seq)).map(ContentField::Parts)
+    }
 }
 
 #[derive(Deserialize)]
@@ -313,6 +443,73 @@ mod tests {
         assert_eq!(parse("{not json"), Err(BodyError::InvalidJson));
         assert_eq!(parse("[1,2]"), Err(BodyError::InvalidJson));
         assert_eq!(parse(""), Err(BodyError::InvalidJson));
+    }
+
+    #[test]
+    fn mixed_or_out_of_range_prompts_are_invalid() {
+        let parse = |json: &str| parse_body(Api::Completions, json.as_bytes());
+        for prompt in [
+            r#"[1,"a"]"#,
+            r#"["a",1]"#,
+            r#"[[1],"a"]"#,
+            r#"[[1],[2,"x"]]"#,
+            "[[[1]]]",
+            "[4294967296]",
+            "[1.0]",
+            "[null]",
+            "[true]",
+            "5",
+            "null",
+            "{}",
+        ] {
+            assert_eq!(
+                parse(&format!(r#"{{"model":"m","prompt":{prompt}}}"#)),
+                Err(BodyError::InvalidJson),
+                "prompt {prompt}"
+            );
+        }
+        assert_eq!(
+            parse(r#"{"model":"m","prompt":[[]]}"#),
+            Err(BodyError::UnsupportedPrompt)
+        );
+        assert_eq!(
+            parse(r#"{"model":"m","prompt":[""]}"#),
+            Err(BodyError::UnsupportedPrompt)
+        );
+        assert_eq!(
+            parse(r#"{"model":"m","prompt":"a\nb\u00e9"}"#).map(|parsed| parsed.input),
+            Ok(PromptInput::Text("a\nbé".into()))
+        );
+        assert_eq!(
+            parse(r#"{"model":"m","prompt":[[7,8,9]],"n":2}"#).map(|parsed| parsed.input),
+            Ok(PromptInput::TokenIds(vec![7, 8, 9]))
+        );
+    }
+
+    #[test]
+    fn chat_content_of_other_shapes_is_invalid() {
+        let parse = |json: &str| parse_body(Api::ChatCompletions, json.as_bytes());
+        for content in ["5", "{}", "[1]", r#"[{"text":"no type"}]"#, r#""a"x"#] {
+            assert_eq!(
+                parse(&format!(
+                    r#"{{"model":"m","messages":[{{"role":"user","content":{content}}}]}}"#
+                )),
+                Err(BodyError::InvalidJson),
+                "content {content}"
+            );
+        }
+        let parsed = parse(
+            r#"{"model":"m","messages":[{"role":"user","content":[
+                {"type":"text","text":"a\tb","cache_control":{"type":"ephemeral"}}
+            ]}]}"#,
+        );
+        assert_eq!(
+            parsed.map(|parsed| parsed.input),
+            Ok(PromptInput::Messages(vec![ChatMessage {
+                role: "user".into(),
+                content: "a\tb".into(),
+            }]))
+        );
     }
 
     #[test]

@@ -248,10 +248,14 @@ impl Envoy {
         let config = dir.0.join("envoy.yaml");
         std::fs::write(&config, render_bootstrap(setup, &wasm, listen, admin)?)?;
         let log = dir.0.join("envoy.log");
+        // One worker thread: every test drives an Envoy over a handful of
+        // connections, and each worker would start its own wasm VM; on a
+        // small machine running two Envoys next to the server, extra idle
+        // workers only add start-up time and threads to schedule.
         let child = Command::new(&binary)
             .arg("-c")
             .arg(&config)
-            .args(["--disable-hot-restart", "--concurrency", "2", "-l", "info"])
+            .args(["--disable-hot-restart", "--concurrency", "1", "-l", "info"])
             .arg("--log-path")
             .arg(&log)
             .stdin(Stdio::null())
