@@ -437,3 +437,33 @@ async fn probe_tenant_lookup_is_no_hint() {
     );
     h.stop().await;
 }
+
+#[tokio::test]
+async fn caller_deadline_already_passed_is_timeout_not_an_error() {
+    let mut h = Harness::start(&policy_doc("*", OPEN)).await;
+    let blocks = chain(1..4);
+    h.hold("A", &blocks).await;
+    // The same lookup with time to spare is a hit, so TIMEOUT below is the deadline's doing.
+    assert_eq!(
+        h.lookup(chain_lookup(&blocks)).await.reason_code,
+        "PREFIX_MATCH"
+    );
+    let mut request = tonic::Request::new(chain_lookup(&blocks));
+    // grpc-timeout "1n": the deadline has passed by the time the server reads it.
+    request.set_timeout(std::time::Duration::from_nanos(1));
+    let r = h
+        .client
+        .lookup_route(request)
+        .await
+        .expect("a passed deadline is answered, not failed")
+        .into_inner();
+    assert_eq!(
+        (
+            r.reason_code.as_str(),
+            r.replica_scores.len(),
+            r.adapter_id.as_str()
+        ),
+        ("TIMEOUT", 0, "")
+    );
+    h.stop().await;
+}
