@@ -1,21 +1,27 @@
 //! LookupRoute over loopback gRPC at a fixed offered rate (open loop).
 //!
-//! Starts the server in-process on port 0, loads 8 replicas × 2,000 chains of
-//! 64 blocks (16 tokens each, ~1M block-replica entries) through
+//! Starts the real `inference-cache serve` binary as a separate process (so
+//! client and server do not share a runtime), loads 8 replicas × 2,000 chains
+//! of 64 blocks (16 tokens each, ~0.5M block-replica entries) through
 //! ReportCacheState, then sends 64-block chain lookups at `GRPC_BENCH_QPS`
 //! (default 20,000) for `GRPC_BENCH_SECS` (default 5) over `GRPC_BENCH_CONNS`
 //! HTTP/2 connections (default 4). Latency is measured from each request's
-//! scheduled send time, so a stalled server cannot hide queueing delay.
+//! scheduled send time, so a stalled server cannot hide queueing delay; the
+//! server's own `lookup_latency_us` and the reason codes are reported too.
 //!
 //! Run: `cargo bench -p inference-cache-server --bench grpc_lookup`
 
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use anyhow::Context;
 
 use inference_cache_fingerprint::{encode, prefix_hashes};
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest, PrefixEntry};
-use inference_cache_server::{ServeConfig, start};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -36,7 +42,42 @@ fn chain(c: u32) -> Vec<Vec<u8>> {
 
 fn percentile(sorted: &[u64], q: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i.min(sorted.len().saturating_sub(1))]
+    sorted.get(i).copied().unwrap_or(0)
+}
+
+/// The server process; killed when dropped.
+struct ServerProcess(Child);
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// Starts `inference-cache serve` on loopback and waits until it answers.
+async fn spawn_server() -> anyhow::Result<(ServerProcess, String)> {
+    let grpc = free_port()?;
+    let admin = free_port()?;
+    let child = Command::new(env!("CARGO_BIN_EXE_inference-cache"))
+        .args(["serve", "--grpc-addr", &grpc.to_string()])
+        .args(["--admin-addr", &admin.to_string()])
+        .args(["--max-index-entries", "100000000", "--log-format", "json"])
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting inference-cache serve")?;
+    let process = ServerProcess(child);
+    let url = format!("http://{grpc}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while InferenceCacheClient::connect(url.clone()).await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "server did not start on {grpc}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((process, url))
 }
 
 #[tokio::main]
@@ -50,10 +91,7 @@ async fn main() -> anyhow::Result<()> {
     let chains = env_or("GRPC_BENCH_CHAINS", 2_000) as u32;
     let holders = 8u32;
 
-    let mut config = ServeConfig::ephemeral();
-    config.index.max_index_entries = u64::MAX;
-    let server = start(config).await?;
-    let url = format!("http://{}", server.grpc_addr);
+    let (_server, url) = spawn_server().await?;
     let mut loader = InferenceCacheClient::connect(url.clone()).await?;
     let all: Vec<Vec<Vec<u8>>> = (0..chains).map(chain).collect();
     let mut updates = Vec::new();
@@ -86,7 +124,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let total = qps * secs;
     let interval = Duration::from_nanos(1_000_000_000 / qps.max(1));
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(u64, bool)>();
+    let (tx, mut rx) =
+        tokio::sync::mpsc::unbounded_channel::<(u64, Result<(String, i64), tonic::Code>)>();
     let begin = Instant::now() + Duration::from_millis(50);
     for n in 0..total {
         let scheduled = begin + interval * n as u32;
@@ -104,35 +143,55 @@ async fn main() -> anyhow::Result<()> {
                 block_hashes: blocks.clone(),
                 ..Default::default()
             };
-            let ok = client
+            let answer = client
                 .lookup_route(request)
                 .await
-                .map(|r| r.into_inner().reason_code == "PREFIX_MATCH")
-                .unwrap_or(false);
-            let _ = tx.send((scheduled.elapsed().as_nanos() as u64, ok));
+                .map(|r| {
+                    let r = r.into_inner();
+                    (r.reason_code, r.lookup_latency_us)
+                })
+                .map_err(|status| status.code());
+            let _ = tx.send((scheduled.elapsed().as_nanos() as u64, answer));
         });
     }
     drop(tx);
     let mut samples = Vec::with_capacity(total as usize);
-    let mut hits = 0u64;
-    while let Some((ns, ok)) = rx.recv().await {
+    let mut server_us = Vec::with_capacity(total as usize);
+    let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
+    while let Some((ns, answer)) = rx.recv().await {
         samples.push(ns);
-        hits += u64::from(ok);
+        let outcome = match answer {
+            Ok((reason, us)) => {
+                server_us.push(u64::try_from(us).unwrap_or(0));
+                reason
+            }
+            Err(code) => format!("error {code:?}"),
+        };
+        *outcomes.entry(outcome).or_default() += 1;
     }
     let wall = begin.elapsed().as_secs_f64();
     samples.sort_unstable();
-    println!("| offered QPS | achieved QPS | requests | PREFIX_MATCH | p50 | p99 | p99.9 | max |");
+    server_us.sort_unstable();
+    println!(
+        "| offered QPS | achieved QPS | requests | p50 | p99 | p99.9 | max | server-side p50 / p99 |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| {qps} | {:.0} | {} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs |",
+        "| {qps} | {:.0} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {} µs / {} µs |",
         samples.len() as f64 / wall,
         samples.len(),
-        hits,
         percentile(&samples, 0.5) as f64 / 1e3,
         percentile(&samples, 0.99) as f64 / 1e3,
         percentile(&samples, 0.999) as f64 / 1e3,
         samples.last().copied().unwrap_or(0) as f64 / 1e3,
+        percentile(&server_us, 0.5),
+        percentile(&server_us, 0.99),
     );
-    server.shutdown().await?;
+    println!("\noutcomes: {outcomes:?}");
+    let hits = outcomes.get("PREFIX_MATCH").copied().unwrap_or(0);
+    anyhow::ensure!(
+        hits == total,
+        "every lookup targets an ingested chain, yet only {hits} of {total} were PREFIX_MATCH"
+    );
     Ok(())
 }
