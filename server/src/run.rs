@@ -9,8 +9,8 @@ use anyhow::Context as _;
 use inference_cache_proto::v1alpha1::inference_cache_server::InferenceCacheServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 
 use crate::admin::{self, AdminState};
 use crate::config::ServeConfig;
@@ -95,9 +95,12 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(service)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
-                shutdown.cancelled().await
-            })
+            .serve_with_incoming_shutdown(
+                // Without TCP_NODELAY a response split over writes waits out
+                // the peer's delayed ACK (40 ms on Linux): far past any budget.
+                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                async move { shutdown.cancelled().await },
+            )
     };
     let admin = {
         let shutdown = shutdown.clone();
