@@ -5,9 +5,12 @@
 //! of 64 blocks (16 tokens each, ~0.5M block-replica entries) through
 //! ReportCacheState, then sends 64-block chain lookups at `GRPC_BENCH_QPS`
 //! (default 20,000) for `GRPC_BENCH_SECS` (default 5) over `GRPC_BENCH_CONNS`
-//! HTTP/2 connections (default 4). Latency is measured from each request's
-//! scheduled send time, so a stalled server cannot hide queueing delay; the
-//! server's own `lookup_latency_us` and the reason codes are reported too.
+//! HTTP/2 connections (default 4). Latency is measured from the moment each
+//! request is sent; how late sends ran against the schedule (tokio timers
+//! fire on a 1 ms wheel, so sends go out in small bursts) is reported
+//! separately, so a client that fell behind cannot hide queueing. The
+//! server's own `lookup_latency_us`, its CPU time per request and the reason
+//! codes are reported too.
 //!
 //! Run: `cargo bench -p inference-cache-server --bench grpc_lookup`
 
@@ -43,6 +46,17 @@ fn chain(c: u32) -> Vec<Vec<u8>> {
 fn percentile(sorted: &[u64], q: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
     sorted.get(i).copied().unwrap_or(0)
+}
+
+/// CPU seconds (user + system) `pid` has used, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the
+    // 12th and 13th of them, in clock ticks (100 per second on Linux).
+    let rest = stat.rsplit_once(')').context("malformed /proc stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    Ok(ticks as f64 / 100.0)
 }
 
 /// The server process; killed when dropped.
@@ -94,7 +108,7 @@ async fn main() -> anyhow::Result<()> {
     let chains = env_or("GRPC_BENCH_CHAINS", if full { 2_000 } else { 200 }) as u32;
     let holders = 8u32;
 
-    let (_server, url) = spawn_server().await?;
+    let (server, url) = spawn_server().await?;
     let mut loader = InferenceCacheClient::connect(url.clone()).await?;
     let all: Vec<Vec<Vec<u8>>> = (0..chains).map(chain).collect();
     let mut updates = Vec::new();
@@ -127,8 +141,12 @@ async fn main() -> anyhow::Result<()> {
     }
     let total = qps * secs;
     let interval = Duration::from_nanos(1_000_000_000 / qps.max(1));
-    let (tx, mut rx) =
-        tokio::sync::mpsc::unbounded_channel::<(u64, Result<(String, i64), String>)>();
+    let cpu_before = cpu_seconds(server.0.id())?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(
+        Duration,
+        Duration,
+        Result<(String, i64), String>,
+    )>();
     let begin = Instant::now() + Duration::from_millis(50);
     for n in 0..total {
         let scheduled = begin + interval * n as u32;
@@ -136,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
         let mut client = clients[n as usize % conns].clone();
         let all = Arc::clone(&all);
         let tx = tx.clone();
+        let lag = scheduled.elapsed();
         tokio::spawn(async move {
             let blocks = &all[(n as usize * 7919) % all.len()];
             let request = LookupRouteRequest {
@@ -146,6 +165,7 @@ async fn main() -> anyhow::Result<()> {
                 block_hashes: blocks.clone(),
                 ..Default::default()
             };
+            let sent = Instant::now();
             let answer = client
                 .lookup_route(request)
                 .await
@@ -154,15 +174,17 @@ async fn main() -> anyhow::Result<()> {
                     (r.reason_code, r.lookup_latency_us)
                 })
                 .map_err(|status| format!("{:?}: {}", status.code(), status.message()));
-            let _ = tx.send((scheduled.elapsed().as_nanos() as u64, answer));
+            let _ = tx.send((sent.elapsed(), lag, answer));
         });
     }
     drop(tx);
     let mut samples = Vec::with_capacity(total as usize);
+    let mut lags = Vec::with_capacity(total as usize);
     let mut server_us = Vec::with_capacity(total as usize);
     let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
-    while let Some((ns, answer)) = rx.recv().await {
-        samples.push(ns);
+    while let Some((latency, lag, answer)) = rx.recv().await {
+        samples.push(latency.as_nanos() as u64);
+        lags.push(lag.as_nanos() as u64);
         let outcome = match answer {
             Ok((reason, us)) => {
                 server_us.push(u64::try_from(us).unwrap_or(0));
@@ -173,22 +195,28 @@ async fn main() -> anyhow::Result<()> {
         *outcomes.entry(outcome).or_default() += 1;
     }
     let wall = begin.elapsed().as_secs_f64();
-    samples.sort_unstable();
-    server_us.sort_unstable();
+    let server_cpu = cpu_seconds(server.0.id())? - cpu_before;
+    for sorted in [&mut samples, &mut lags, &mut server_us] {
+        sorted.sort_unstable();
+    }
+    let us = |ns: u64| ns as f64 / 1e3;
     println!(
-        "| offered QPS | achieved QPS | requests | p50 | p99 | p99.9 | max | server-side p50 / p99 |"
+        "| offered QPS | achieved QPS | requests | p50 | p99 | p99.9 | max | send lag p50 / p99 | server-side p50 / p99 | server CPU per request |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
-        "| {qps} | {:.0} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {} µs / {} µs |",
+        "| {qps} | {:.0} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {:.0} µs / {:.0} µs | {} µs / {} µs | {:.1} µs |",
         samples.len() as f64 / wall,
         samples.len(),
-        percentile(&samples, 0.5) as f64 / 1e3,
-        percentile(&samples, 0.99) as f64 / 1e3,
-        percentile(&samples, 0.999) as f64 / 1e3,
-        samples.last().copied().unwrap_or(0) as f64 / 1e3,
+        us(percentile(&samples, 0.5)),
+        us(percentile(&samples, 0.99)),
+        us(percentile(&samples, 0.999)),
+        us(samples.last().copied().unwrap_or(0)),
+        us(percentile(&lags, 0.5)),
+        us(percentile(&lags, 0.99)),
         percentile(&server_us, 0.5),
         percentile(&server_us, 0.99),
+        server_cpu * 1e6 / samples.len().max(1) as f64,
     );
     println!("\noutcomes: {outcomes:?}");
     let hits = outcomes.get("PREFIX_MATCH").copied().unwrap_or(0);
