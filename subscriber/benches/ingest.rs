@@ -6,7 +6,8 @@
 //! run). Needs the venv with pyzmq + msgpack. The bench itself runs `cargo
 //! build --release -p inference-cache-server` into its own target directory
 //! first (unless `$INFERENCE_CACHE_BIN` names a binary), so both sides of the
-//! measurement are release builds.
+//! measurement are release builds. Under `cargo test` it runs the short
+//! rows against the test build's server binary, as a smoke check.
 //!
 //! The load comes from `tests/kv_publisher.py` (real pyzmq PUB, byte-exact
 //! vLLM batches, pre-encoded, then sent back to back). Two sinks: an
@@ -262,7 +263,10 @@ fn decode_only(batches: usize, events_per_batch: usize, blocks_per_event: usize)
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    // `cargo bench` passes `--bench`; under `cargo test` run the quick rows
+    // against the server binary of the test build.
+    let full = std::env::args().any(|a| a == "--bench");
+    let quick = !full || std::env::args().any(|a| a == "--quick");
     // 512k blocks a row (64k with --quick): long enough for steady figures,
     // below the server's default cap of 1M index entries.
     let scale = if quick { 1 } else { 8 };
@@ -291,7 +295,11 @@ fn main() {
             blocks_per_event: 32,
         },
     ];
-    let binary = release_server();
+    let binary = if full {
+        release_server()
+    } else {
+        common::server_binary()
+    };
     println!("Sink: in-process gRPC server counting received blocks\n");
     print_header();
     for run in &runs {
