@@ -1,6 +1,8 @@
 //! Compiles the proto with `protox` (pure Rust, no `protoc`) and generates the
 //! Rust messages; with the `grpc` feature also the tonic client and server and
-//! the encoded descriptor set served by gRPC reflection.
+//! the encoded descriptor set served by gRPC reflection. The Envoy
+//! `GrpcService` subset the filter passes to `dispatch_grpc_call` is compiled
+//! separately, messages only, so reflection lists only our service.
 
 use std::path::PathBuf;
 
@@ -19,5 +21,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(grpc)
         .build_server(grpc)
         .compile_fds(descriptors)?;
+
+    let envoy = "envoy/config/core/v3/grpc_service.proto";
+    println!("cargo:rerun-if-changed={envoy}");
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(false)
+        .compile_fds(protox::compile([envoy], ["."])?)?;
     Ok(())
 }

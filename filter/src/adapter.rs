@@ -46,8 +46,12 @@ impl RootContext for FilterRoot {
                 log(
                     LogLevel::Info,
                     &format!(
-                        "inference-cache filter configured: cluster `{}`, timeout {} ms",
+                        "inference-cache filter configured: cluster `{}`, authority `{}`, timeout {} ms",
                         settings.grpc_cluster,
+                        settings
+                            .grpc_authority
+                            .as_deref()
+                            .unwrap_or("(the cluster name)"),
                         settings.timeout.as_millis()
                     ),
                 );
@@ -170,14 +174,21 @@ impl Host for EnvoyHost {
 
     fn dispatch_grpc(
         &mut self,
-        cluster: &str,
+        upstream: &str,
         service: &str,
         method: &str,
         message: &[u8],
         timeout: Duration,
     ) -> Result<u32, DispatchError> {
-        hostcalls::dispatch_grpc_call(cluster, service, method, Vec::new(), Some(message), timeout)
-            .map_err(|_| DispatchError)
+        hostcalls::dispatch_grpc_call(
+            upstream,
+            service,
+            method,
+            Vec::new(),
+            Some(message),
+            timeout,
+        )
+        .map_err(|_| DispatchError)
     }
 
     fn grpc_response_body(&self, size: usize) -> Option<Vec<u8>> {

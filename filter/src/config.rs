@@ -10,7 +10,9 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use inference_cache_proto::envoy::{GrpcService, grpc_service};
 use inference_cache_proto::reason;
+use prost::Message as _;
 use serde_json::{Map, Value};
 
 /// Default `timeout_ms`: the LookupRoute budget per request.
@@ -69,6 +71,12 @@ pub struct ModelTarget {
 pub struct Settings {
     /// Envoy cluster serving the `InferenceCache` gRPC service.
     pub grpc_cluster: String,
+    /// `:authority` of LookupRoute calls: `grpc_authority`, else derived from
+    /// an Istio cluster name; `None` lets Envoy send the cluster name.
+    pub grpc_authority: Option<String>,
+    /// What `dispatch_grpc_call` is given: the cluster name, or with an
+    /// authority an encoded Envoy `GrpcService` naming both.
+    pub grpc_upstream: String,
     /// LookupRoute budget; Envoy cancels the call after it.
     pub timeout: Duration,
     /// Request header carrying the tenant id (lower-case), if any.
@@ -100,6 +108,8 @@ impl Settings {
     pub fn with_cluster(grpc_cluster: &str) -> Self {
         Self {
             grpc_cluster: grpc_cluster.to_owned(),
+            grpc_authority: None,
+            grpc_upstream: grpc_cluster.to_owned(),
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
             tenant_header: None,
             tenant_id: String::new(),
@@ -133,6 +143,12 @@ impl Settings {
         for (key, value) in &object {
             settings.apply(key, value)?;
         }
+        if settings.grpc_authority.is_none() {
+            settings.grpc_authority = istio_authority(&settings.grpc_cluster);
+        }
+        if let Some(authority) = &settings.grpc_authority {
+            settings.grpc_upstream = grpc_upstream(&settings.grpc_cluster, authority)?;
+        }
         if settings.replica_endpoints.is_empty() && !settings.replica_id_is_endpoint {
             return Err(ConfigError::new(
                 "replica_endpoints",
@@ -151,6 +167,7 @@ impl Settings {
     fn apply(&mut self, key: &str, value: &Value) -> Result<(), ConfigError> {
         match key {
             "grpc_cluster" => {}
+            "grpc_authority" => self.grpc_authority = Some(non_empty_string(key, value)?),
             "timeout_ms" => {
                 let millis = integer_in(key, value, 1, MAX_TIMEOUT_MS)?;
                 self.timeout = Duration::from_millis(millis);
@@ -213,6 +230,43 @@ impl Settings {
         }
         None
     }
+}
+
+/// `<host>:<port>` of an Istio cluster name (`outbound|<port>|<subset>|<host>`).
+/// Such names are not valid HTTP/2 authorities, and Envoy uses the cluster
+/// name as the `:authority` of a gRPC call unless told otherwise, which
+/// servers that check it (the inference-cache server does) reject.
+fn istio_authority(cluster: &str) -> Option<String> {
+    let mut parts = cluster.split('|');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("outbound" | "inbound"), Some(port), Some(_subset), Some(host))
+            if parts.next().is_none() && !host.is_empty() && port.parse::<u16>().is_ok() =>
+        {
+            Some(format!("{host}:{port}"))
+        }
+        _ => None,
+    }
+}
+
+/// An Envoy `GrpcService` naming the cluster and the authority, as the text
+/// `dispatch_grpc_call` takes. The proxy-wasm SDK passes it as a string, so
+/// the encoding must be valid UTF-8, which it is while every length fits in
+/// one byte.
+fn grpc_upstream(cluster: &str, authority: &str) -> Result<String, ConfigError> {
+    let service = GrpcService {
+        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+            grpc_service::EnvoyGrpc {
+                cluster_name: cluster.to_owned(),
+                authority: authority.to_owned(),
+            },
+        )),
+    };
+    String::from_utf8(service.encode_to_vec()).map_err(|_| {
+        ConfigError::new(
+            "grpc_authority",
+            "with `grpc_cluster` must stay under 124 bytes in total",
+        )
+    })
 }
 
 fn string(field: &str, value: &Value) -> Result<String, ConfigError> {
@@ -471,5 +525,65 @@ mod tests {
                     .to_owned()
             )
         );
+    }
+
+    #[test]
+    fn istio_cluster_names_get_a_valid_authority() {
+        use inference_cache_proto::envoy::{GrpcService, grpc_service};
+        let settings = parse(
+            r#"{"grpc_cluster":"outbound|9090||inference-cache.ns.svc.cluster.local",
+                "replica_id_is_endpoint":true}"#,
+        )
+        .expect("valid config");
+        assert_eq!(
+            settings.grpc_authority.as_deref(),
+            Some("inference-cache.ns.svc.cluster.local:9090")
+        );
+        let service = GrpcService::decode(settings.grpc_upstream.as_bytes()).expect("GrpcService");
+        assert_eq!(
+            service.target_specifier,
+            Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                grpc_service::EnvoyGrpc {
+                    cluster_name: "outbound|9090||inference-cache.ns.svc.cluster.local".into(),
+                    authority: "inference-cache.ns.svc.cluster.local:9090".into(),
+                }
+            ))
+        );
+    }
+
+    #[test]
+    fn plain_cluster_names_are_dispatched_as_they_are() {
+        for cluster in ["inference_cache", "outbound|x||host", "outbound|9090||"] {
+            let settings = parse(&format!(
+                r#"{{"grpc_cluster":"{cluster}","replica_id_is_endpoint":true}}"#
+            ))
+            .expect("valid config");
+            assert_eq!(settings.grpc_authority, None, "{cluster}");
+            assert_eq!(settings.grpc_upstream, cluster);
+        }
+    }
+
+    #[test]
+    fn explicit_authority_wins_and_must_fit() {
+        let settings = parse(
+            r#"{"grpc_cluster":"outbound|9090||a.b","grpc_authority":"cache.internal:7000",
+                "replica_id_is_endpoint":true}"#,
+        )
+        .expect("valid config");
+        assert_eq!(
+            settings.grpc_authority.as_deref(),
+            Some("cache.internal:7000")
+        );
+        assert!(settings.grpc_upstream.contains("cache.internal:7000"));
+        let long = "h".repeat(130);
+        let error = parse(&format!(
+            r#"{{"grpc_cluster":"ic","grpc_authority":"{long}","replica_id_is_endpoint":true}}"#
+        ))
+        .err();
+        assert_eq!(error.map(|e| e.field), Some("grpc_authority".to_owned()));
+        let error =
+            parse(r#"{"grpc_cluster":"ic","grpc_authority":"","replica_id_is_endpoint":true}"#)
+                .err();
+        assert_eq!(error.map(|e| e.field), Some("grpc_authority".to_owned()));
     }
 }

@@ -70,10 +70,11 @@ pub trait Host {
     fn remove_request_header(&mut self, name: &str);
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
-    /// Starts a unary gRPC call; returns its token.
+    /// Starts a unary gRPC call to `upstream` ([`Settings::grpc_upstream`]:
+    /// a cluster name or an encoded Envoy `GrpcService`); returns its token.
     fn dispatch_grpc(
         &mut self,
-        cluster: &str,
+        upstream: &str,
         service: &str,
         method: &str,
         message: &[u8],
@@ -193,7 +194,7 @@ impl RequestFlow {
         };
         let message = request.encode_to_vec();
         match host.dispatch_grpc(
-            &self.settings.grpc_cluster,
+            &self.settings.grpc_upstream,
             LOOKUP_SERVICE,
             LOOKUP_METHOD,
             &message,

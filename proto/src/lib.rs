@@ -14,6 +14,14 @@ pub mod v1alpha1 {
     include!(concat!(env!("OUT_DIR"), "/inferencecache.v1alpha1.rs"));
 }
 
+/// `envoy.config.core.v3.GrpcService`, the subset a proxy-wasm plugin passes to
+/// `dispatch_grpc_call` to name a cluster together with the `:authority` of
+/// the call (`proto/envoy/config/core/v3/grpc_service.proto`).
+#[allow(missing_docs, clippy::all)]
+pub mod envoy {
+    include!(concat!(env!("OUT_DIR"), "/envoy.config.core.v3.rs"));
+}
+
 /// Encoded `FileDescriptorSet` of the proto, for gRPC reflection.
 #[cfg(feature = "grpc")]
 pub const FILE_DESCRIPTOR_SET: &[u8] =
@@ -177,6 +185,24 @@ mod tests {
         assert_eq!(
             CacheTier::from_str_name("CACHE_TIER_T3"),
             Some(CacheTier::T3)
+        );
+    }
+
+    #[test]
+    fn envoy_grpc_service_uses_envoys_field_numbers() {
+        use super::envoy::{GrpcService, grpc_service};
+        let service = GrpcService {
+            target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                grpc_service::EnvoyGrpc {
+                    cluster_name: "c".into(),
+                    authority: "a".into(),
+                },
+            )),
+        };
+        // envoy_grpc = 1 { cluster_name = 1, authority = 2 }
+        assert_eq!(
+            service.encode_to_vec(),
+            [0x0a, 0x06, 0x0a, 0x01, b'c', 0x12, 0x01, b'a']
         );
     }
 }

@@ -1,10 +1,13 @@
 //! Shared helpers for the cross-crate tests: a real server on loopback port 0,
-//! a connected gRPC client, and a minimal HTTP/1.1 GET for the admin listener.
+//! a connected gRPC client, reporting a token prompt's blocks as held, and a
+//! minimal HTTP/1.1 GET for the admin listener.
 
 use std::net::SocketAddr;
 
-use anyhow::Context as _;
+use anyhow::{Context as _, ensure};
+use inference_cache_fingerprint::request_chain;
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inference_cache_proto::v1alpha1::{CacheStateUpdate, PrefixEntry};
 use inference_cache_server::{RunningServer, ServeConfig, start};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tonic::transport::Channel;
@@ -60,6 +63,54 @@ impl TestServer {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.server.shutdown().await
     }
+}
+
+/// Who holds a prompt's blocks: one replica in one (tenant, model, adapter)
+/// partition. Blocks are 16 tokens under the `vllm` hash scheme, as the
+/// filter's and the server's defaults expect.
+#[derive(Debug, Clone, Copy)]
+pub struct Holder<'a> {
+    /// Replica id as an engine would report it.
+    pub replica: &'a str,
+    /// Tenant id.
+    pub tenant: &'a str,
+    /// Model id.
+    pub model: &'a str,
+    /// LoRA adapter id; empty for the base model.
+    pub adapter: &'a str,
+}
+
+/// Reports the block chain of `tokens` as held by `holder` through
+/// ReportCacheState, and fails unless the server accepts it.
+pub async fn hold_tokens(
+    client: &mut InferenceCacheClient<Channel>,
+    holder: Holder<'_>,
+    tokens: &[u32],
+) -> anyhow::Result<()> {
+    let chain = request_chain(tokens, 16);
+    let update = CacheStateUpdate {
+        replica_id: holder.replica.into(),
+        model_id: holder.model.into(),
+        tenant_id: holder.tenant.into(),
+        adapter_id: holder.adapter.into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![PrefixEntry {
+            block_hashes: chain
+                .block_hashes
+                .iter()
+                .map(|hash| hash.to_vec())
+                .collect(),
+            block_token_counts: chain.block_token_counts,
+            ..PrefixEntry::default()
+        }],
+        ..CacheStateUpdate::default()
+    };
+    let ack = client
+        .report_cache_state(tokio_stream::iter([update]))
+        .await?
+        .into_inner();
+    ensure!(ack.accepted, "ingest not accepted: {}", ack.reason_code);
+    Ok(())
 }
 
 /// Status and body of an HTTP response.

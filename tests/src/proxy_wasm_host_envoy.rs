@@ -233,10 +233,20 @@ pub fn render_bootstrap(
 }
 
 impl Envoy {
-    /// Starts Envoy on free ports and waits until its listener accepts.
+    /// Starts Envoy with `envoy/envoy.yaml` on free ports and waits until its
+    /// listener accepts.
     pub async fn start(setup: &EnvoySetup) -> anyhow::Result<Self> {
-        let binary = envoy_binary()?;
         let wasm = crate::proxy_wasm_host::filter_wasm()?;
+        Self::start_rendered(|_, listen, admin| render_bootstrap(setup, &wasm, listen, admin)).await
+    }
+
+    /// Starts Envoy with the bootstrap `render(scratch dir, listener port,
+    /// admin port)` returns (it may write further files into the scratch
+    /// directory) and waits until its listener accepts.
+    pub async fn start_rendered(
+        render: impl FnOnce(&Path, u16, u16) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Self> {
+        let binary = envoy_binary()?;
         let listen = free_port()?;
         let admin = free_port()?;
         let dir = std::env::temp_dir().join(format!(
@@ -246,7 +256,7 @@ impl Envoy {
         std::fs::create_dir_all(&dir)?;
         let dir = TempDir(dir);
         let config = dir.0.join("envoy.yaml");
-        std::fs::write(&config, render_bootstrap(setup, &wasm, listen, admin)?)?;
+        std::fs::write(&config, render(&dir.0, listen, admin)?)?;
         let log = dir.0.join("envoy.log");
         // One worker thread: every test drives an Envoy over a handful of
         // connections, and each worker would start its own wasm VM; on a
@@ -256,6 +266,8 @@ impl Envoy {
             .arg("-c")
             .arg(&config)
             .args(["--disable-hot-restart", "--concurrency", "1", "-l", "info"])
+            // Flush the log often, so a failing test's log tail is current.
+            .args(["--file-flush-interval-msec", "100"])
             .arg("--log-path")
             .arg(&log)
             .stdin(Stdio::null())

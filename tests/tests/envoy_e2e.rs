@@ -15,17 +15,15 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
-use inference_cache_fingerprint::request_chain;
 use inference_cache_proto::v1alpha1::inference_cache_server::{
     InferenceCache, InferenceCacheServer,
 };
 use inference_cache_proto::v1alpha1::{
     Ack, CacheEvent, CacheStateUpdate, ChatMessage, GetCacheStateRequest, GetCacheStateResponse,
     LookupPdRouteRequest, LookupPdRouteResponse, LookupRouteRequest, LookupRouteResponse, Metric,
-    PrefixEntry, RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest,
-    StreamMetricsRequest,
+    RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest, StreamMetricsRequest,
 };
-use inference_cache_tests::TestServer;
+use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use proxy_wasm_host_envoy::{
     Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, split_body, tokens_body,
 };
@@ -71,30 +69,13 @@ async fn stack(grpc: SocketAddr, timeout_ms: u64) -> anyhow::Result<Stack> {
 
 /// Reports `tokens`' block chain as held by `replica`.
 async fn ingest(server: &TestServer, replica: &str, tokens: &[u32]) -> anyhow::Result<()> {
-    let chain = request_chain(tokens, 16);
-    let update = CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: MODEL.into(),
-        tenant_id: TENANT.into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![PrefixEntry {
-            block_hashes: chain
-                .block_hashes
-                .iter()
-                .map(|hash| hash.to_vec())
-                .collect(),
-            block_token_counts: chain.block_token_counts.clone(),
-            ..PrefixEntry::default()
-        }],
-        ..CacheStateUpdate::default()
+    let holder = Holder {
+        replica,
+        tenant: TENANT,
+        model: MODEL,
+        adapter: "",
     };
-    let mut client = server.client().await?;
-    let ack = client
-        .report_cache_state(tokio_stream::iter(vec![update]))
-        .await?
-        .into_inner();
-    ensure!(ack.accepted, "ingest not accepted: {}", ack.reason_code);
-    Ok(())
+    hold_tokens(&mut server.client().await?, holder, tokens).await
 }
 
 /// Every replica holds something, so the scope knows all three.

@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use inference_cache_fingerprint::request_chain;
-use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest, PrefixEntry};
-use inference_cache_tests::TestServer;
+use inference_cache_proto::v1alpha1::LookupRouteRequest;
+use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use proxy_wasm_host_envoy::{Backend, Envoy, EnvoySetup, HttpClient, REPLICAS, tokens_body};
 
 const MODEL: &str = "e2e-model";
@@ -153,24 +153,13 @@ async fn ingest(server: &TestServer, prompt: &[u32]) -> anyhow::Result<()> {
         } else {
             (50_000 * (index as u32 + 1)..50_000 * (index as u32 + 1) + 192).collect()
         };
-        let chain = request_chain(&tokens, 16);
-        grpc.report_cache_state(tokio_stream::iter(vec![CacheStateUpdate {
-            replica_id: (*replica).into(),
-            model_id: MODEL.into(),
-            tenant_id: TENANT.into(),
-            hash_scheme: "vllm".into(),
-            prefixes: vec![PrefixEntry {
-                block_hashes: chain
-                    .block_hashes
-                    .iter()
-                    .map(|hash| hash.to_vec())
-                    .collect(),
-                block_token_counts: chain.block_token_counts,
-                ..PrefixEntry::default()
-            }],
-            ..CacheStateUpdate::default()
-        }]))
-        .await?;
+        let holder = Holder {
+            replica,
+            tenant: TENANT,
+            model: MODEL,
+            adapter: "",
+        };
+        hold_tokens(&mut grpc, holder, &tokens).await?;
     }
     Ok(())
 }

@@ -8,11 +8,10 @@ use std::path::PathBuf;
 use inference_cache_proto::reason;
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{
-    CacheStateUpdate, ChatMessage, LookupRouteRequest, LookupRouteResponse, PrefixEntry,
-    RenderTemplateRequest,
+    ChatMessage, LookupRouteRequest, LookupRouteResponse, RenderTemplateRequest,
 };
 use inference_cache_server::{PromptSettings, ServeConfig};
-use inference_cache_tests::TestServer;
+use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use tonic::transport::Channel;
 
 const MODEL: &str = "qwen3";
@@ -62,24 +61,13 @@ async fn ingest(
     replica: &str,
     tokens: &[u32],
 ) -> anyhow::Result<()> {
-    let chain = inference_cache_fingerprint::request_chain(tokens, 16);
-    let update = CacheStateUpdate {
-        replica_id: replica.into(),
-        model_id: MODEL.into(),
-        tenant_id: TENANT.into(),
-        hash_scheme: "vllm".into(),
-        prefixes: vec![PrefixEntry {
-            block_hashes: chain.block_hashes.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: chain.block_token_counts,
-            ..Default::default()
-        }],
-        ..Default::default()
+    let holder = Holder {
+        replica,
+        tenant: TENANT,
+        model: MODEL,
+        adapter: "",
     };
-    let ack = client
-        .report_cache_state(tokio_stream::iter([update]))
-        .await?;
-    assert!(ack.into_inner().accepted);
-    Ok(())
+    hold_tokens(client, holder, tokens).await
 }
 
 /// Looks `request` up twice around an ingest of its echoed tokens into

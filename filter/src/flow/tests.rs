@@ -65,7 +65,7 @@ impl Host for FakeHost {
     }
     fn dispatch_grpc(
         &mut self,
-        cluster: &str,
+        upstream: &str,
         service: &str,
         method: &str,
         message: &[u8],
@@ -75,7 +75,7 @@ impl Host for FakeHost {
             return Err(DispatchError);
         }
         self.calls.push((
-            cluster.into(),
+            upstream.into(),
             service.into(),
             method.into(),
             message.to_vec(),
