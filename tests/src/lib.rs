@@ -80,6 +80,18 @@ pub struct Holder<'a> {
     pub adapter: &'a str,
 }
 
+/// The block chain of `tokens` (16-token blocks) as the wire carries it:
+/// `block_hashes` and `block_token_counts`.
+pub fn wire_chain(tokens: &[u32]) -> (Vec<Vec<u8>>, Vec<i32>) {
+    let chain = request_chain(tokens, 16);
+    let hashes = chain
+        .block_hashes
+        .iter()
+        .map(|hash| hash.to_vec())
+        .collect();
+    (hashes, chain.block_token_counts)
+}
+
 /// Reports the block chain of `tokens` as held by `holder` through
 /// ReportCacheState, and fails unless the server accepts it.
 pub async fn hold_tokens(
@@ -87,7 +99,7 @@ pub async fn hold_tokens(
     holder: Holder<'_>,
     tokens: &[u32],
 ) -> anyhow::Result<()> {
-    let chain = request_chain(tokens, 16);
+    let (block_hashes, block_token_counts) = wire_chain(tokens);
     let update = CacheStateUpdate {
         replica_id: holder.replica.into(),
         model_id: holder.model.into(),
@@ -95,12 +107,8 @@ pub async fn hold_tokens(
         adapter_id: holder.adapter.into(),
         hash_scheme: "vllm".into(),
         prefixes: vec![PrefixEntry {
-            block_hashes: chain
-                .block_hashes
-                .iter()
-                .map(|hash| hash.to_vec())
-                .collect(),
-            block_token_counts: chain.block_token_counts,
+            block_hashes,
+            block_token_counts,
             ..PrefixEntry::default()
         }],
         ..CacheStateUpdate::default()

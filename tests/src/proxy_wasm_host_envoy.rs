@@ -359,6 +359,20 @@ impl HttpResponse {
     pub fn served_by(&self) -> Option<&str> {
         self.header(SERVED_BY)
     }
+
+    /// Asserts a 200 carrying `reason` in the `x-inferencecache-reason`
+    /// header and served by `backend`; `context` (e.g. Envoy's log tail) is
+    /// printed on failure.
+    pub fn assert_routed(&self, reason: &str, backend: &str, context: impl Fn() -> String) {
+        assert_eq!(self.status, 200, "{}", context());
+        assert_eq!(
+            self.header("x-inferencecache-reason"),
+            Some(reason),
+            "{}",
+            context()
+        );
+        assert_eq!(self.served_by(), Some(backend), "{}", context());
+    }
 }
 
 /// A request body: fixed length (`Content-Length`) or streamed (chunked).

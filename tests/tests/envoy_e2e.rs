@@ -106,14 +106,7 @@ async fn token_prompt_routes_to_the_replica_holding_its_prefix() -> anyhow::Resu
         let response = client
             .post("/v1/completions", &[], tokens_body(MODEL, &prompt))
             .await?;
-        assert_eq!(response.status, 200, "{}", context(&stack));
-        assert_eq!(
-            response.header(REASON),
-            Some("PREFIX_MATCH"),
-            "{}",
-            context(&stack)
-        );
-        assert_eq!(response.served_by(), Some("replica-b"));
+        response.assert_routed("PREFIX_MATCH", "replica-b", || context(&stack));
     }
     Ok(())
 }
@@ -205,14 +198,7 @@ async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
     .to_string();
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
     let response = client.post("/v1/chat/completions", &[], body).await?;
-    assert_eq!(response.status, 200);
-    assert_eq!(
-        response.header(REASON),
-        Some("PREFIX_MATCH"),
-        "{}",
-        context(&stack)
-    );
-    assert_eq!(response.served_by(), Some("replica-c"));
+    response.assert_routed("PREFIX_MATCH", "replica-c", || context(&stack));
     Ok(())
 }
 
@@ -334,14 +320,9 @@ async fn chunked_body_is_assembled_and_routed_to_the_holder() -> anyhow::Result<
         let response = client
             .post_chunked("/v1/completions", &[], chunks, Duration::from_millis(3))
             .await?;
-        assert_eq!(response.status, 200, "{}", context(&stack));
-        assert_eq!(
-            response.header(REASON),
-            Some("PREFIX_MATCH"),
-            "{count} chunks: {}",
-            context(&stack)
-        );
-        assert_eq!(response.served_by(), Some("replica-b"));
+        response.assert_routed("PREFIX_MATCH", "replica-b", || {
+            format!("{count} chunks: {}", context(&stack))
+        });
         let report = backend_report(&response)?;
         assert_eq!(report["body_bytes"], body.len(), "{report}");
         // Sent chunked, forwarded chunked: no Content-Length anywhere on the path.

@@ -42,9 +42,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
-use inference_cache_fingerprint::request_chain;
 use inference_cache_proto::v1alpha1::LookupRouteRequest;
-use inference_cache_tests::{Holder, TestServer, hold_tokens};
+use inference_cache_tests::{Holder, TestServer, hold_tokens, wire_chain};
 use proxy_wasm_host_envoy::{Backend, Envoy, EnvoySetup, HttpClient, REPLICAS, tokens_body};
 
 const MODEL: &str = "e2e-model";
@@ -227,17 +226,13 @@ async fn filter_overhead() -> anyhow::Result<()> {
         )
         .expecting("PREFIX_MATCH"),
     ];
-    let chain = request_chain(&prompt, 16);
+    let (block_hashes, block_token_counts) = wire_chain(&prompt);
     let lookup = LookupRouteRequest {
         model_id: MODEL.into(),
         tenant_id: TENANT.into(),
         hash_scheme: "vllm".into(),
-        block_hashes: chain
-            .block_hashes
-            .iter()
-            .map(|hash| hash.to_vec())
-            .collect(),
-        block_token_counts: chain.block_token_counts,
+        block_hashes,
+        block_token_counts,
         ..LookupRouteRequest::default()
     };
     let mut grpc = server.client().await?;

@@ -19,7 +19,6 @@ use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use istio_gateway::Gateway;
 use proxy_wasm_host_envoy::{Backend, Envoy, HttpClient, HttpResponse, tokens_body};
 
-const REASON: &str = "x-inferencecache-reason";
 const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The manifest's model map: `llama-sql` → this model with the `sql-lora` adapter.
 const MODEL_NAME: &str = "llama-sql";
@@ -89,14 +88,7 @@ async fn envoyfilter_manifest_routes_requests_in_an_istio_gateway() -> anyhow::R
     for _ in 0..5 {
         let body = tokens_body(MODEL_NAME, &prompt);
         let response = within(client.post("/v1/completions", &[], body)).await?;
-        assert_eq!(response.status, 200, "{}", context());
-        assert_eq!(
-            response.header(REASON),
-            Some("PREFIX_MATCH"),
-            "{}",
-            context()
-        );
-        assert_eq!(response.served_by(), Some("pod-b"), "{}", context());
+        response.assert_routed("PREFIX_MATCH", "pod-b", context);
         assert_eq!(backend_report(&response)?["destination"], ids[1].as_str());
     }
 
@@ -107,14 +99,7 @@ async fn envoyfilter_manifest_routes_requests_in_an_istio_gateway() -> anyhow::R
     let body = tokens_body(MODEL_NAME, &long);
     assert!(body.len() > 1 << 20);
     let response = within(client.post("/v1/completions", &[], body.clone())).await?;
-    assert_eq!(response.status, 200, "{}", context());
-    assert_eq!(
-        response.header(REASON),
-        Some("PREFIX_MATCH"),
-        "{}",
-        context()
-    );
-    assert_eq!(response.served_by(), Some("pod-b"));
+    response.assert_routed("PREFIX_MATCH", "pod-b", context);
     assert_eq!(backend_report(&response)?["body_bytes"], body.len());
 
     // No hint: the gateway's own route, round robin over every pod, and a

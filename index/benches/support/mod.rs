@@ -17,6 +17,36 @@ pub const REPLICAS: usize = 8;
 pub const CHAIN_BLOCKS: usize = 64;
 /// Tokens per block.
 pub const BLOCK: usize = 16;
+/// Blocks of the head each group of chains shares.
+pub const HEAD_BLOCKS: usize = 16;
+/// Chains per group.
+pub const GROUP: usize = 32;
+
+/// The replicas holding chain `c` when each chain has `holders` (rotating).
+fn rotation(c: usize, holders: usize) -> impl Iterator<Item = usize> {
+    (0..holders).map(move |k| (c + k) % REPLICAS)
+}
+
+/// Chains needed for at least `entries` distinct block-replica entries: a
+/// shared head block counts once per replica holding it.
+fn chains_for(entries: usize, holders: usize) -> usize {
+    let mut chains = 0;
+    let mut distinct = 0;
+    let mut head_holders = [false; REPLICAS];
+    while distinct < entries {
+        if chains % GROUP == 0 {
+            head_holders = [false; REPLICAS];
+        }
+        for r in rotation(chains, holders) {
+            if !std::mem::replace(&mut head_holders[r], true) {
+                distinct += HEAD_BLOCKS;
+            }
+        }
+        distinct += (CHAIN_BLOCKS - HEAD_BLOCKS) * holders;
+        chains += 1;
+    }
+    chains
+}
 
 /// One chain: wire hashes and counts.
 pub struct Workload {
@@ -31,20 +61,19 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// Enough chains for about `entries` block-replica entries.
+    /// Enough chains for at least `entries` distinct block-replica entries.
     pub fn new(entries: usize, holders: usize) -> Self {
-        let per_chain = CHAIN_BLOCKS * holders;
-        let n = entries.div_ceil(per_chain);
+        let n = chains_for(entries, holders);
         let mut chains = Vec::with_capacity(n);
         let mut prefixes = Vec::with_capacity(n);
         let mut contents = Vec::with_capacity(n);
         for c in 0..n {
-            let group = (c / 32) as u32;
-            let mut tokens: Vec<u32> = (0..(16 * BLOCK) as u32)
+            let group = (c / GROUP) as u32;
+            let mut tokens: Vec<u32> = (0..(HEAD_BLOCKS * BLOCK) as u32)
                 .map(|t| group.wrapping_mul(7919) ^ t)
                 .collect();
             tokens.extend(
-                (0..(48 * BLOCK) as u32)
+                (0..((CHAIN_BLOCKS - HEAD_BLOCKS) * BLOCK) as u32)
                     .map(|t| (c as u32).wrapping_mul(104_729).wrapping_add(t) | 0x8000_0000),
             );
             let hashes = prefix_hashes(&tokens, BLOCK);
@@ -62,7 +91,7 @@ impl Workload {
 
     /// The replicas holding chain `c`.
     pub fn holders_of(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
-        (0..self.holders).map(move |k| (c + k) % REPLICAS)
+        rotation(c, self.holders)
     }
 
     /// One update per (chain, holder).
