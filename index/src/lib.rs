@@ -66,8 +66,8 @@ pub use model::{
     TenantSnapshot, Tier,
 };
 pub use policy::{
-    AffinityAlgorithm, CachePolicy, DEFAULT_NAMESPACE, Eviction, PolicyError, PolicySet, Strategy,
-    format_duration, parse_duration,
+    AffinityAlgorithm, CachePolicy, DEFAULT_NAMESPACE, Eviction, PolicyError, PolicySet, Ranker,
+    Strategy, format_duration, parse_duration,
 };
 
 #[cfg(test)]

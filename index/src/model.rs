@@ -78,6 +78,12 @@ pub struct ReplicaStatsReport {
     pub t2_hit_tokens: i64,
     /// Cumulative tier-2 query tokens.
     pub t2_query_tokens: i64,
+    /// Requests queued for prefill at the engine.
+    pub requests_waiting: u32,
+    /// Requests admitted and running at the engine.
+    pub requests_running: u32,
+    /// Fraction of the engine's KV cache in use, in [0, 1].
+    pub kv_cache_usage: f32,
 }
 
 /// One additive delta from a replica.

@@ -47,6 +47,19 @@ pub enum AffinityAlgorithm {
     Rendezvous,
 }
 
+/// How PREFIX_MATCH candidates are ordered and how a request with no
+/// distinguishing match is placed (`spec.ranker`); see `docs/routing.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub enum Ranker {
+    /// The contract's score: matched tokens × freshness × pressure factor ×
+    /// SLO bias × distinguishing power; AFFINITY_HINT seeded by the whole chain.
+    #[default]
+    Contract,
+    /// Minimizes the work a request waits for on each live member: its
+    /// uncached prefill tokens there plus the load already queued there.
+    CostAware,
+}
+
 /// `spec.strategy`: per-namespace gates on the lookup path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -107,6 +120,11 @@ pub struct CachePolicy {
     pub slo_tight_bias: f64,
     /// A TTFT SLO below this many milliseconds (and above zero) is tight.
     pub slo_tight_ttft_ms: u32,
+    /// Ranking strategy.
+    pub ranker: Ranker,
+    /// A replica not heard from for this long leaves the serving set.
+    #[serde(serialize_with = "ser_duration")]
+    pub replica_timeout: Duration,
 }
 
 impl Default for CachePolicy {
@@ -127,6 +145,8 @@ impl Default for CachePolicy {
             pressure_weight: 1.0,
             slo_tight_bias: 1.0,
             slo_tight_ttft_ms: 200,
+            ranker: Ranker::Contract,
+            replica_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -303,6 +323,8 @@ struct RawSpec {
     pressure_weight: Option<Number>,
     slo_tight_bias: Option<Number>,
     slo_tight_ttft_ms: Option<i64>,
+    ranker: Option<String>,
+    replica_timeout: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -480,6 +502,28 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
     }
     if let Some(v) = spec.slo_tight_ttft_ms {
         policy.slo_tight_ttft_ms = non_negative("spec.sloTightTtftMs", v)?;
+    }
+    if let Some(v) = spec.ranker {
+        policy.ranker = match v.as_str() {
+            "Contract" => Ranker::Contract,
+            "CostAware" => Ranker::CostAware,
+            other => {
+                return Err(field_err(
+                    "spec.ranker",
+                    format!("must be Contract or CostAware, got {other:?}"),
+                ));
+            }
+        };
+    }
+    if let Some(v) = spec.replica_timeout {
+        let timeout = parse_duration(&v).map_err(|r| field_err("spec.replicaTimeout", r))?;
+        if timeout.is_zero() {
+            return Err(field_err(
+                "spec.replicaTimeout",
+                "must be greater than zero",
+            ));
+        }
+        policy.replica_timeout = timeout;
     }
     Ok(())
 }

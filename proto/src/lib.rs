@@ -165,6 +165,9 @@ mod tests {
                 client_version: "lmcache-0.3".into(),
                 t2_hit_tokens: 10,
                 t2_query_tokens: 20,
+                requests_waiting: 3,
+                requests_running: 7,
+                kv_cache_usage: 0.5,
             }),
             adapter_id: "lora-a".into(),
         };

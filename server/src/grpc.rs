@@ -236,6 +236,9 @@ impl InferenceCache for CacheService {
                     client_version: s.client_version,
                     t2_hit_tokens: s.t2_hit_tokens,
                     t2_query_tokens: s.t2_query_tokens,
+                    requests_waiting: s.requests_waiting,
+                    requests_running: s.requests_running,
+                    kv_cache_usage: s.kv_cache_usage,
                 },
                 None => ReplicaStats {
                     replica_id: r.replica_id,
@@ -456,6 +459,9 @@ fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
             client_version: s.client_version,
             t2_hit_tokens: s.t2_hit_tokens,
             t2_query_tokens: s.t2_query_tokens,
+            requests_waiting: s.requests_waiting,
+            requests_running: s.requests_running,
+            kv_cache_usage: s.kv_cache_usage,
         }),
     }
 }
