@@ -84,6 +84,11 @@ impl Scope {
         self.serving.load(Ordering::Relaxed)
     }
 
+    /// Whether `replica` holds at least one entry in the scope.
+    pub fn holds(&self, replica: ReplicaId) -> bool {
+        self.replicas.lock().contains_key(&replica)
+    }
+
     /// Replicas holding at least one entry, with their entry counts.
     pub fn serving(&self) -> Vec<(ReplicaId, i64)> {
         self.replicas.lock().iter().map(|(&r, &n)| (r, n)).collect()

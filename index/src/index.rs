@@ -13,8 +13,9 @@ use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::RwLock;
 
-use crate::catalog::{Catalog, PartitionId, ReplicaId};
+use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
+use crate::fleet::Fleet;
 use crate::model::{
     CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
     IngestReport, PROBE_TENANT, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
@@ -26,20 +27,15 @@ use crate::store::{HashRef, Holder, Store};
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
 
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ReplicaRecord {
-    pub stats: Option<ReplicaStatsReport>,
-    pub stats_at_ms: u64,
-    pub last_heard_ms: u64,
-}
-
 /// The in-memory KV-cache index and ranker.
 ///
 /// Cheap to share (`Arc<CacheIndex>`); every method takes `&self`.
 pub struct CacheIndex {
     pub(crate) catalog: RwLock<Catalog>,
     pub(crate) store: Store,
-    pub(crate) replicas: RwLock<HashMap<ReplicaId, ReplicaRecord>>,
+    pub(crate) fleet: RwLock<Fleet>,
+    /// Running mean of the uncached prefill tokens of hinted requests (`f64` bits).
+    pub(crate) mean_request_tokens: AtomicU64,
     pub(crate) policies: ArcSwap<PolicySet>,
     pub(crate) clock: Arc<dyn Clock>,
     max_entries: AtomicU64,
@@ -91,7 +87,8 @@ impl CacheIndex {
         Self {
             catalog: RwLock::new(Catalog::default()),
             store: Store::default(),
-            replicas: RwLock::new(HashMap::new()),
+            fleet: RwLock::new(Fleet::default()),
+            mean_request_tokens: AtomicU64::new(0),
             policies: ArcSwap::from_pointee(PolicySet::default()),
             clock,
             max_entries: AtomicU64::new(max_entries),
@@ -151,6 +148,19 @@ impl CacheIndex {
         self.catalog.write().intern_replica(name)
     }
 
+    /// Interned ids of `names`, interning the ones never seen.
+    pub(crate) fn name_ids<const N: usize>(&self, names: [&str; N]) -> [NameId; N] {
+        {
+            let catalog = self.catalog.read();
+            let known = names.map(|n| catalog.name(n));
+            if known.iter().all(Option::is_some) {
+                return known.map(|id| id.unwrap_or_default());
+            }
+        }
+        let mut catalog = self.catalog.write();
+        names.map(|n| catalog.intern_name(n))
+    }
+
     fn partition_id(&self, tenant: &str, model: &str, scheme: &str, adapter: &str) -> PartitionId {
         if let Some(id) = self
             .catalog
@@ -184,6 +194,13 @@ impl CacheIndex {
         if update.hash_scheme.is_empty() {
             report.drop(DropReason::EmptyHashScheme, prefix_total);
             return report;
+        }
+        if !update.tenant_id.is_empty() && !update.model_id.is_empty() {
+            let [tenant, model, scheme] =
+                self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
+            self.fleet
+                .write()
+                .join(replica, tenant, model, Some(scheme));
         }
         // (adapter, partition, new entries, new keys) of this update.
         let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
@@ -282,12 +299,10 @@ impl CacheIndex {
             }
             s
         });
-        let mut replicas = self.replicas.write();
-        replicas.entry(replica).or_default().last_heard_ms = now_ms;
+        let mut fleet = self.fleet.write();
+        fleet.heard(replica, now_ms);
         if let Some(stats) = stats {
-            let record = replicas.entry(target.unwrap_or(replica)).or_default();
-            record.stats = Some(stats);
-            record.stats_at_ms = now_ms;
+            fleet.record_stats(target.unwrap_or(replica), stats, now_ms);
         }
     }
 
@@ -327,25 +342,56 @@ impl CacheIndex {
         };
         match event.kind {
             EventKind::PrefixAdded => {}
-            EventKind::ReplicaUpdated => {
-                if !event.replica_id.is_empty() {
-                    let replica = self.replica_id(&event.replica_id);
-                    self.replicas
-                        .write()
-                        .entry(replica)
-                        .or_default()
-                        .last_heard_ms = now_ms;
-                }
-            }
+            EventKind::ReplicaUpdated => self.heartbeat(event, now_ms),
             EventKind::PrefixEvicted => {
                 report.entries_removed = self.evict_prefix(event);
             }
             EventKind::AllCleared => {
                 report.entries_removed = self.clear_replica(event);
+                self.leave(event);
             }
         }
         self.count_evictions(EvictionReason::Event, report.entries_removed);
         report
+    }
+
+    /// REPLICA_UPDATED: liveness; naming tenant and model it also joins that
+    /// serving set and holds the replica to `replicaTimeout` from now on.
+    fn heartbeat(&self, event: &CacheEvent, now_ms: u64) {
+        if event.replica_id.is_empty() {
+            return;
+        }
+        let replica = self.replica_id(&event.replica_id);
+        let pair = (!event.tenant_id.is_empty() && !event.model_id.is_empty())
+            .then(|| self.name_ids([&event.tenant_id, &event.model_id]));
+        let mut fleet = self.fleet.write();
+        let record = fleet.heard(replica, now_ms);
+        if let Some([tenant, model]) = pair {
+            record.heartbeats = true;
+            fleet.join(replica, tenant, model, None);
+        }
+    }
+
+    /// ALL_CLEARED: the replica leaves the serving sets the event names.
+    fn leave(&self, event: &CacheEvent) {
+        let (replica, tenant, model) = {
+            let catalog = self.catalog.read();
+            let Some(replica) = catalog.replica(&event.replica_id) else {
+                return;
+            };
+            let name = |n: &str| -> Result<Option<NameId>, ()> {
+                if n.is_empty() {
+                    Ok(None)
+                } else {
+                    catalog.name(n).map(Some).ok_or(())
+                }
+            };
+            let (Ok(tenant), Ok(model)) = (name(&event.tenant_id), name(&event.model_id)) else {
+                return;
+            };
+            (replica, tenant, model)
+        };
+        self.fleet.write().leave(replica, tenant, model);
     }
 
     /// Partitions an event addresses: empty tenant/model match all; adapter only if `narrow`.
@@ -488,17 +534,24 @@ impl CacheIndex {
         catalog: &Catalog,
         held: &HashMap<ReplicaId, i64>,
     ) -> Vec<ReplicaState> {
-        let records = self.replicas.read();
+        let fleet = self.fleet.read();
         let mut out: Vec<ReplicaState> = held
             .iter()
             .map(|(&r, &entries)| {
-                let record = records.get(&r);
+                let record = fleet.records.get(&r);
                 ReplicaState {
                     replica_id: catalog.replica_str(r).to_string(),
                     stats: record.and_then(|x| x.stats.clone()),
                     stats_received_ms: record.filter(|x| x.stats.is_some()).map(|x| x.stats_at_ms),
                     last_heard_ms: record.map(|x| x.last_heard_ms),
                     entries,
+                    heartbeats: record.is_some_and(|x| x.heartbeats),
+                    pending_tokens: record.map_or(0, |x| x.pending()),
+                    member_of: fleet
+                        .memberships_of(r)
+                        .into_iter()
+                        .map(|[t, m]| format!("{}/{}", catalog.name_str(t), catalog.name_str(m)))
+                        .collect(),
                 }
             })
             .collect();
@@ -548,7 +601,7 @@ impl CacheIndex {
                 row.0.entry_count += p.entries.load(Ordering::Relaxed);
             }
         }
-        for &r in self.replicas.read().keys() {
+        for &r in self.fleet.read().records.keys() {
             held.entry(r).or_insert(0);
         }
         let replicas = self.replica_states(&catalog, &held);

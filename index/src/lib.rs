@@ -48,6 +48,8 @@
 
 mod catalog;
 mod clock;
+mod cost;
+mod fleet;
 mod index;
 mod lookup;
 mod model;

@@ -28,10 +28,13 @@ use sha2::{Digest, Sha256};
 
 use crate::catalog::{Catalog, PartitionId, ReplicaId, Scope};
 use crate::clock::ms_to_secs;
-use crate::index::{CacheIndex, ReplicaRecord};
+use crate::cost::{bounded_affinity, rank_by_cost};
+use crate::fleet::{Fleet, ReplicaRecord};
+use crate::index::CacheIndex;
 use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier};
-use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction};
+use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use parking_lot::RwLockReadGuard;
+use smallvec::SmallVec;
 
 use crate::store::{HashRef, Held, SHARDS, Shard, Slot, Store};
 use crate::table::keep_loads;
@@ -40,18 +43,21 @@ const INLINE: usize = 16;
 /// Blocks whose shards are locked and probed together.
 const WINDOW: usize = 32;
 
+/// Live members of a lookup's serving set, sorted by replica id.
+pub(crate) type Serving = SmallVec<[ReplicaId; 32]>;
+
 #[derive(Debug, Clone, Copy, Default)]
-struct Candidate {
-    replica: ReplicaId,
-    matched: i64,
-    blocks: u32,
-    oldest_seen: u32,
-    tier: u8,
+pub(crate) struct Candidate {
+    pub replica: ReplicaId,
+    pub matched: i64,
+    pub blocks: u32,
+    pub oldest_seen: u32,
+    pub tier: u8,
     active: bool,
 }
 
 /// Candidates on the stack, spilling to the heap past [`INLINE`].
-struct Candidates {
+pub(crate) struct Candidates {
     inline: [Candidate; INLINE],
     len: usize,
     spill: Vec<Candidate>,
@@ -86,7 +92,24 @@ impl Candidates {
         }
     }
 
-    fn as_slice(&self) -> &[Candidate] {
+    /// Keeps the candidates that are live members of `serving`.
+    fn retain_live(&mut self, serving: &Serving) {
+        let live = |c: &Candidate| serving.binary_search(&c.replica).is_ok();
+        if self.spill.is_empty() {
+            let mut kept = 0;
+            for i in 0..self.len {
+                if live(&self.inline[i]) {
+                    self.inline[kept] = self.inline[i];
+                    kept += 1;
+                }
+            }
+            self.len = kept;
+        } else {
+            self.spill.retain(live);
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[Candidate] {
         if self.spill.is_empty() {
             &self.inline[..self.len]
         } else {
@@ -104,20 +127,28 @@ enum Matched {
 }
 
 /// A positive hint before the final checks, or a downgrade.
-enum Ranked {
+pub(crate) enum Ranked {
     Hint(Reason, Vec<ReplicaScore>),
-    Downgraded,
+    /// No positive hint; the fallback may seed on the chain's block
+    /// `seed_block` (the first block not every live member holds).
+    Downgraded {
+        seed_block: usize,
+    },
     Diagnostic(Reason),
 }
 
-struct Ctx<'a> {
-    policy: &'a CachePolicy,
-    now_ms: u64,
+impl Ranked {
+    pub(crate) const DOWNGRADED: Self = Self::Downgraded { seed_block: 0 };
+}
+
+pub(crate) struct Ctx<'a> {
+    pub policy: &'a CachePolicy,
+    pub now_ms: u64,
     slo_ttft_ms: i32,
 }
 
 impl Ctx<'_> {
-    fn freshness(&self, seen_secs: u32) -> f64 {
+    pub(crate) fn freshness(&self, seen_secs: u32) -> f64 {
         let ttl = self.policy.eviction_ttl.as_secs_f64();
         let age = f64::from(ms_to_secs(self.now_ms).saturating_sub(seen_secs));
         (1.0 - age / ttl).max(0.0)
@@ -194,11 +225,13 @@ impl CacheIndex {
             slo_ttft_ms: req.slo_ttft_ms,
         };
         let catalog = self.catalog.read();
+        let fleet = self.fleet.read();
         let scope = catalog.scope(req.tenant_id, req.model_id, req.hash_scheme);
         let part = catalog.partition(req.tenant_id, req.model_id, req.hash_scheme, adapter);
+        let serving = self.serving_set(&ctx, &catalog, &fleet, req, scope);
         let mut cands = Candidates::new();
         let request_tokens: i64;
-        let matched = match chain {
+        let mut matched = match chain {
             Some(c) => {
                 request_tokens = c.token_counts.iter().map(|&n| i64::from(n)).sum();
                 match part {
@@ -216,21 +249,43 @@ impl CacheIndex {
                 }
             }
         };
+        // A replica that left or went silent is never named, and its
+        // entries stop counting.
+        cands.retain_live(&serving);
+        if cands.as_slice().is_empty() {
+            matched = Matched::Miss;
+        }
 
-        let ranked = match matched {
-            Matched::Hits => {
-                self.rank_prefix_match(&ctx, &catalog, scope, &mut cands, request_tokens)
+        let ranked = match (matched, policy.ranker) {
+            (Matched::Hits, Ranker::Contract) => self.rank_prefix_match(
+                &ctx,
+                &catalog,
+                &fleet,
+                serving.len(),
+                &mut cands,
+                request_tokens,
+            ),
+            (Matched::Hits, Ranker::CostAware) => {
+                let members = self.member_loads(&ctx, &fleet, &serving);
+                rank_by_cost(
+                    &ctx,
+                    &catalog,
+                    &members,
+                    cands.as_slice(),
+                    chain,
+                    request_tokens,
+                )
             }
-            Matched::Miss => {
+            (Matched::Miss, _) => {
                 let hot = if chain.is_none() {
-                    self.tenant_hot(&ctx, &catalog, scope)
+                    self.tenant_hot(&ctx, &catalog, &fleet, scope, &serving)
                 } else {
                     Vec::new()
                 };
                 if hot.is_empty() {
                     match self.classify(&catalog, req) {
                         Some(code) => Ranked::Diagnostic(code),
-                        None => Ranked::Downgraded,
+                        None => Ranked::DOWNGRADED,
                     }
                 } else {
                     Ranked::Hint(Reason::TenantHot, hot)
@@ -239,7 +294,7 @@ impl CacheIndex {
         };
         let ranked = match ranked {
             Ranked::Hint(_, _) if request_tokens < i64::from(policy.minimum_prefix_tokens) => {
-                Ranked::Downgraded
+                Ranked::DOWNGRADED
             }
             other => other,
         };
@@ -250,8 +305,27 @@ impl CacheIndex {
                 adapter_id: adapter.to_owned(),
             },
             Ranked::Diagnostic(code) => LookupOutcome::empty(code, adapter),
-            Ranked::Downgraded => {
-                match self.affinity(policy, &catalog, scope, chain, req.prefix_hash) {
+            Ranked::Downgraded { seed_block } => {
+                let pick = match policy.ranker {
+                    Ranker::Contract => {
+                        self.affinity(policy, &catalog, &serving, chain, req.prefix_hash)
+                    }
+                    Ranker::CostAware => {
+                        let members = self.member_loads(&ctx, &fleet, &serving);
+                        bounded_affinity(
+                            policy,
+                            &catalog,
+                            &members,
+                            cands.as_slice(),
+                            chain,
+                            seed_block,
+                            req.prefix_hash,
+                            request_tokens,
+                            self.mean_request_tokens(),
+                        )
+                    }
+                };
+                match pick {
                     Some(score) => LookupOutcome {
                         reason: Reason::AffinityHint,
                         scores: vec![score],
@@ -264,6 +338,10 @@ impl CacheIndex {
         if expired(deadline) {
             return LookupOutcome::empty(Reason::Timeout, "");
         }
+        if policy.ranker == Ranker::CostAware {
+            self.count_hinted(&catalog, &fleet, &outcome, cands.as_slice(), request_tokens);
+        }
+        drop(fleet);
         if outcome.reason == Reason::PrefixMatch
             && policy.eviction == Eviction::Lfu
             && let Some(p) = part
@@ -280,6 +358,63 @@ impl CacheIndex {
         outcome
     }
 
+    /// Live members of the request's `(tenant, model)` that serve its hash
+    /// scheme, sorted by replica id (see the `fleet` module for liveness).
+    fn serving_set(
+        &self,
+        ctx: &Ctx<'_>,
+        catalog: &Catalog,
+        fleet: &Fleet,
+        req: &LookupRequest<'_>,
+        scope: Option<&std::sync::Arc<Scope>>,
+    ) -> Serving {
+        let mut out = Serving::new();
+        let (Some(tenant), Some(model)) = (catalog.name(req.tenant_id), catalog.name(req.model_id))
+        else {
+            return out;
+        };
+        let scheme = catalog.name(req.hash_scheme);
+        let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
+        for member in fleet.members(tenant, model) {
+            if member.serves(scheme)
+                && fleet.is_live(member.replica, ctx.now_ms, timeout_ms, || {
+                    scope.is_some_and(|s| s.holds(member.replica))
+                })
+            {
+                out.push(member.replica);
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// Counts the prefill a cost-aware hint sends to its replica as load
+    /// there until the replica's next stats report.
+    fn count_hinted(
+        &self,
+        catalog: &Catalog,
+        fleet: &Fleet,
+        outcome: &LookupOutcome,
+        cands: &[Candidate],
+        request_tokens: i64,
+    ) {
+        let Some(top) = outcome.scores.first() else {
+            return;
+        };
+        let Some(replica) = catalog.replica(&top.replica_id) else {
+            return;
+        };
+        let matched = cands
+            .iter()
+            .find(|c| c.replica == replica)
+            .map_or(0, |c| c.matched);
+        let uncached = (request_tokens - matched).max(0) as u64;
+        if let Some(record) = fleet.records.get(&replica) {
+            record.add_pending(uncached);
+        }
+        self.observe_request_tokens(uncached as f64);
+    }
+
     fn walk_chain(&self, part: PartitionId, chain: Chain<'_>, cands: &mut Candidates) -> Matched {
         // Read guards of the shards touched so far, each taken once per lookup.
         let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] =
@@ -293,7 +428,10 @@ impl CacheIndex {
                 let slot = Store::slot(part, HashRef::from_bytes(chain.hashes.get(b)));
                 slots[k] = slot;
                 if guards[slot.shard].is_none() {
-                    guards[slot.shard] = Some(self.store.shard(slot.shard).read());
+                    // Recursive read: never queues behind a waiting writer,
+                    // so guards taken in chain order cannot deadlock with
+                    // writers (each of which holds one shard at a time).
+                    guards[slot.shard] = Some(self.store.shard(slot.shard).read_recursive());
                 }
             }
             // Touch every block's home slot, then probe, then touch the holder
@@ -394,14 +532,15 @@ impl CacheIndex {
         &self,
         ctx: &Ctx<'_>,
         catalog: &Catalog,
-        scope: Option<&std::sync::Arc<Scope>>,
+        fleet: &Fleet,
+        serving: usize,
         cands: &mut Candidates,
         request_tokens: i64,
     ) -> Ranked {
         let all = cands.as_slice();
-        let scope_size = scope.map_or(0, |s| s.serving_count()).max(all.len() as u32);
+        let scope_size = u32::try_from(serving.max(all.len())).unwrap_or(u32::MAX);
         let floor = i64::from(ctx.policy.minimum_matched_tokens);
-        let records = self.replicas.read();
+        let records = &fleet.records;
         let mut scores = Vec::with_capacity(all.len());
         for c in all.iter().filter(|c| c.matched >= floor && c.matched > 0) {
             let power = if scope_size <= 1 {
@@ -430,13 +569,12 @@ impl CacheIndex {
                 tier: Tier::from_u8(c.tier),
             });
         }
-        drop(records);
         if scores.is_empty() {
-            return Ranked::Downgraded;
+            return Ranked::DOWNGRADED;
         }
         sort_scores(&mut scores);
         if f64::from(scores[0].score) < ctx.policy.routing_floor_score {
-            return Ranked::Downgraded;
+            return Ranked::DOWNGRADED;
         }
         Ranked::Hint(Reason::PrefixMatch, scores)
     }
@@ -445,7 +583,9 @@ impl CacheIndex {
         &self,
         ctx: &Ctx<'_>,
         catalog: &Catalog,
+        fleet: &Fleet,
         scope: Option<&std::sync::Arc<Scope>>,
+        serving: &Serving,
     ) -> Vec<ReplicaScore> {
         let policy = ctx.policy;
         let max_age_ms = policy.tenant_hot_max_age.as_millis() as f64;
@@ -455,9 +595,12 @@ impl CacheIndex {
         if !policy.strategy.enable_tenant_hot || max_age_ms <= 0.0 {
             return Vec::new();
         }
-        let records = self.replicas.read();
+        let records = &fleet.records;
         let mut scores = Vec::new();
         for (replica, _) in scope.serving() {
+            if serving.binary_search(&replica).is_err() {
+                continue;
+            }
             let Some(record) = records.get(&replica) else {
                 continue;
             };
@@ -520,19 +663,15 @@ impl CacheIndex {
         &self,
         policy: &CachePolicy,
         catalog: &Catalog,
-        scope: Option<&std::sync::Arc<Scope>>,
+        serving: &Serving,
         chain: Option<Chain<'_>>,
         prefix_hash: &[u8],
     ) -> Option<ReplicaScore> {
         if !policy.affinity_routing {
             return None;
         }
-        let scope = scope?;
-        let mut replicas: Vec<&std::sync::Arc<str>> = scope
-            .serving()
-            .into_iter()
-            .map(|(r, _)| catalog.replica_str(r))
-            .collect();
+        let mut replicas: Vec<&std::sync::Arc<str>> =
+            serving.iter().map(|&r| catalog.replica_str(r)).collect();
         if replicas.is_empty() {
             return None;
         }

@@ -408,6 +408,13 @@ pub struct ReplicaState {
     pub last_heard_ms: Option<u64>,
     /// Block-replica entries held in the scope asked about.
     pub entries: i64,
+    /// It heartbeats (`REPLICA_UPDATED` naming tenant and model), so it
+    /// leaves the serving set after `replicaTimeout` of silence.
+    pub heartbeats: bool,
+    /// Prefill tokens hinted to it since its last stats report.
+    pub pending_tokens: u64,
+    /// `tenant/model` serving sets it is a member of.
+    pub member_of: Vec<String>,
 }
 
 /// `(tenant, model)` aggregate (GetCacheState).
@@ -505,4 +512,6 @@ pub struct SweepReport {
     pub quota: u64,
     /// Evicted for the global cap.
     pub capacity: u64,
+    /// Serving-set memberships ended because heartbeats stopped.
+    pub members_expired: u64,
 }

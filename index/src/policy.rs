@@ -125,6 +125,19 @@ pub struct CachePolicy {
     /// A replica not heard from for this long leaves the serving set.
     #[serde(serialize_with = "ser_duration")]
     pub replica_timeout: Duration,
+    /// CostAware: weight of a replica's queued work against the request's
+    /// own uncached tokens (1 = both in prefill tokens, minimizing TTFT).
+    pub load_weight: f64,
+    /// CostAware: a running (decoding) request counts as this fraction of a
+    /// waiting one.
+    pub running_weight: f64,
+    /// CostAware: stats older than this are unknown load, not zero load.
+    #[serde(serialize_with = "ser_duration")]
+    pub load_stats_max_age: Duration,
+    /// CostAware: a request without a distinguishing match goes to its
+    /// rendezvous-preferred member unless that member's load exceeds this
+    /// multiple of the mean load (plus one mean request).
+    pub load_bound: f64,
 }
 
 impl Default for CachePolicy {
@@ -147,6 +160,10 @@ impl Default for CachePolicy {
             slo_tight_ttft_ms: 200,
             ranker: Ranker::Contract,
             replica_timeout: Duration::from_secs(30),
+            load_weight: 1.0,
+            running_weight: 0.2,
+            load_stats_max_age: Duration::from_secs(5),
+            load_bound: 1.25,
         }
     }
 }
@@ -325,6 +342,10 @@ struct RawSpec {
     slo_tight_ttft_ms: Option<i64>,
     ranker: Option<String>,
     replica_timeout: Option<String>,
+    load_weight: Option<Number>,
+    running_weight: Option<Number>,
+    load_stats_max_age: Option<String>,
+    load_bound: Option<Number>,
 }
 
 #[derive(Deserialize)]
@@ -524,6 +545,26 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
             ));
         }
         policy.replica_timeout = timeout;
+    }
+    if let Some(v) = spec.load_weight {
+        policy.load_weight = decimal("spec.loadWeight", v)?;
+    }
+    if let Some(v) = spec.running_weight {
+        policy.running_weight = decimal("spec.runningWeight", v)?;
+    }
+    if let Some(v) = spec.load_stats_max_age {
+        policy.load_stats_max_age =
+            parse_duration(&v).map_err(|r| field_err("spec.loadStatsMaxAge", r))?;
+    }
+    if let Some(v) = spec.load_bound {
+        let bound = decimal("spec.loadBound", v)?;
+        if bound < 1.0 {
+            return Err(field_err(
+                "spec.loadBound",
+                format!("must be at least 1, got {bound}"),
+            ));
+        }
+        policy.load_bound = bound;
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Bounded memory: TTL expiry, per-tenant quotas and the global entry cap.
 //!
 //! A sweep runs in three passes: (1) drop every holder older than its
-//! tenant's `evictionTTL`; (2) for each tenant over `quota.maxIndexEntries`,
+//! tenant's `evictionTTL` (and end the memberships of replicas whose
+//! heartbeats stopped for `replicaTimeout`); (2) for each tenant over `quota.maxIndexEntries`,
 //! evict its excess; (3) if the index is still over the global cap, evict the
 //! excess spread over tenants in proportion to their entries. Victims within a
 //! tenant are chosen in the tenant's order: LRU (oldest `last_seen` first) or
@@ -37,6 +38,7 @@ impl CacheIndex {
             ..SweepReport::default()
         };
         self.count_evictions(EvictionReason::Ttl, report.ttl);
+        report.members_expired = self.expire_members() as u64;
 
         let policies = self.policies.load();
         let (tenant_of, names, mut per_tenant) = {
@@ -93,6 +95,19 @@ impl CacheIndex {
             self.count_evictions(EvictionReason::Capacity, report.capacity);
         }
         report
+    }
+
+    /// Ends the memberships of replicas whose heartbeats stopped.
+    fn expire_members(&self) -> usize {
+        let policies = self.policies.load();
+        let now_ms = self.now_ms();
+        let catalog = self.catalog.read();
+        self.fleet.write().expire(now_ms, |tenant| {
+            let timeout = policies
+                .for_tenant(catalog.name_str(tenant))
+                .replica_timeout;
+            u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)
+        })
     }
 
     fn expire(&self) -> u64 {

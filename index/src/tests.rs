@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use crate::*;
 
+mod routing;
+
 const T: &str = "team-a";
 const M: &str = "llama";
 const S: &str = "vllm";
@@ -99,6 +101,17 @@ impl Fixture {
         r.prefix_token_count = tokens;
         self.index.lookup(&r)
     }
+}
+
+pub(crate) fn heartbeat(index: &CacheIndex, replica: &str) {
+    index.publish(&CacheEvent {
+        kind: EventKind::ReplicaUpdated,
+        replica_id: replica.into(),
+        tenant_id: T.into(),
+        model_id: M.into(),
+        prefix_hash: Vec::new(),
+        adapter_id: String::new(),
+    });
 }
 
 fn ids(o: &LookupOutcome) -> Vec<&str> {

@@ -1,0 +1,311 @@
+//! Cost-aware ranking (`spec.ranker: CostAware`): send a request where it
+//! will wait least, and let requests with nothing distinguishing spread.
+//!
+//! For every live member `r` of the serving set (see the `fleet` module):
+//!
+//! ```text
+//! uncached(r) = request tokens − tokens of the request r already holds
+//! load(r)     = queued(r) + pending(r)                       (prefill tokens)
+//! queued(r)   = (waiting + runningWeight × running) × mean request tokens
+//!               from r's last stats if younger than loadStatsMaxAge;
+//!               unknown otherwise → the mean of the members whose load is known
+//! pending(r)  = uncached tokens this index hinted to r since those stats
+//! cost(r)     = uncached(r) + loadWeight × load(r)
+//! ```
+//!
+//! The *common depth* is the longest run of blocks that more than half of the
+//! live members hold (a system prompt, a tool preamble): holding it tells
+//! nothing about where a request belongs. The pick is the member of least
+//! cost. It is a PREFIX_MATCH when that member holds at least
+//! `minimumMatchedTokens` beyond the common depth (and that many tokens ×
+//! freshness reach `routingFloorScore`); the answer lists every live holder
+//! past the floor by increasing cost, with `score = tokens / (tokens + cost)`.
+//! Otherwise nothing distinguishes a member, and the request goes by
+//! rendezvous hashing of its first block past the common depth — the first
+//! block of the session's own content, the same on every turn — over the
+//! members whose load is at most `loadBound × mean load + max(request, mean
+//! request)` tokens: deterministic, even, and bounded by load (AFFINITY_HINT,
+//! or NO_HINT when affinity routing is disabled).
+//!
+//! Cost: two passes over the live members plus a binary search per candidate;
+//! everything lives in stack buffers of 32 members (heap beyond).
+
+use std::sync::atomic::Ordering;
+
+use smallvec::SmallVec;
+
+use crate::catalog::{Catalog, ReplicaId};
+use crate::fleet::Fleet;
+use crate::index::CacheIndex;
+use crate::lookup::{Candidate, Ctx, Ranked, Serving};
+use crate::model::{Chain, ReplicaScore, Tier};
+use crate::policy::CachePolicy;
+use crate::store::HashRef;
+
+/// Queued requests a fully pressured replica stands for when its producer
+/// reports `pressure` but no request counts.
+const PRESSURE_REQUESTS: f64 = 8.0;
+/// Weight of a new observation in the running mean of request tokens.
+const MEAN_ALPHA: f64 = 0.05;
+
+/// One live member as the cost ranker sees it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct MemberCost {
+    pub replica: ReplicaId,
+    /// Prefill tokens queued there.
+    pub load: f64,
+    /// Tokens of the request it holds.
+    pub matched: i64,
+    /// Blocks of the request it holds.
+    pub blocks: u32,
+    pub oldest_seen: u32,
+    pub tier: u8,
+    pub cost: f64,
+}
+
+pub(crate) type Members = SmallVec<[MemberCost; 32]>;
+
+impl CacheIndex {
+    /// Folds one hinted request's uncached tokens into the running mean.
+    pub(crate) fn observe_request_tokens(&self, tokens: f64) {
+        let mean = self.mean_request_tokens();
+        let next = if mean <= 0.0 {
+            tokens
+        } else {
+            mean + MEAN_ALPHA * (tokens - mean)
+        };
+        self.mean_request_tokens
+            .store(next.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Running mean of the uncached tokens of hinted requests.
+    pub(crate) fn mean_request_tokens(&self) -> f64 {
+        f64::from_bits(self.mean_request_tokens.load(Ordering::Relaxed))
+    }
+
+    /// Load of every live member, in prefill tokens (see the module notes).
+    pub(crate) fn member_loads(&self, ctx: &Ctx<'_>, fleet: &Fleet, serving: &Serving) -> Members {
+        let policy = ctx.policy;
+        let mean_tokens = self.mean_request_tokens();
+        let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
+        let mut members = Members::new();
+        let (mut known_sum, mut known) = (0.0, 0u32);
+        let mut unknown: SmallVec<[usize; 32]> = SmallVec::new();
+        for &replica in serving {
+            let record = fleet.records.get(&replica);
+            let queued = record.and_then(|r| {
+                let stats = r.stats.as_ref()?;
+                (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
+                    let requests = f64::from(stats.requests_waiting)
+                        + policy.running_weight * f64::from(stats.requests_running);
+                    let requests = if stats.requests_waiting == 0 && stats.requests_running == 0 {
+                        PRESSURE_REQUESTS * f64::from(stats.pressure).clamp(0.0, 1.0)
+                    } else {
+                        requests
+                    };
+                    requests * mean_tokens
+                })
+            });
+            match queued {
+                Some(q) => {
+                    known_sum += q;
+                    known += 1;
+                }
+                None => unknown.push(members.len()),
+            }
+            members.push(MemberCost {
+                replica,
+                load: queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64,
+                ..MemberCost::default()
+            });
+        }
+        if known > 0 {
+            let typical = known_sum / f64::from(known);
+            for i in unknown {
+                members[i].load += typical;
+            }
+        }
+        members
+    }
+}
+
+/// Members with their match and cost filled in, and where the common depth ends.
+struct CostView {
+    members: Members,
+    /// Index of the least-cost member.
+    best: usize,
+    common_blocks: usize,
+    common_tokens: i64,
+}
+
+fn cost_view(
+    policy: &CachePolicy,
+    mut members: Members,
+    cands: &[Candidate],
+    chain: Option<Chain<'_>>,
+    request_tokens: i64,
+) -> Option<CostView> {
+    if members.is_empty() {
+        return None;
+    }
+    for c in cands {
+        if let Ok(i) = members.binary_search_by_key(&c.replica, |m| m.replica) {
+            let m = &mut members[i];
+            m.matched = c.matched;
+            m.blocks = c.blocks;
+            m.oldest_seen = c.oldest_seen;
+            m.tier = c.tier;
+        }
+    }
+    for m in members.iter_mut() {
+        m.cost = (request_tokens - m.matched).max(0) as f64 + policy.load_weight * m.load;
+    }
+    let mut best = 0;
+    for (i, m) in members.iter().enumerate() {
+        let b = &members[best];
+        if m.cost < b.cost || (m.cost == b.cost && m.matched > b.matched) {
+            best = i;
+        }
+    }
+    // Common depth: the (⌊n/2⌋+1)-th largest held run (none for a lone member,
+    // whose match always distinguishes it).
+    let common_blocks = if members.len() < 2 {
+        0
+    } else {
+        let mut runs: SmallVec<[u32; 32]> = members.iter().map(|m| m.blocks).collect();
+        runs.sort_unstable_by(|a, b| b.cmp(a));
+        runs.get(members.len() / 2).copied().unwrap_or(0) as usize
+    };
+    let common_tokens = chain.map_or(0, |c| {
+        c.token_counts
+            .iter()
+            .take(common_blocks)
+            .map(|&n| i64::from(n))
+            .sum()
+    });
+    Some(CostView {
+        members,
+        best,
+        common_blocks,
+        common_tokens,
+    })
+}
+
+/// PREFIX_MATCH by least cost, or a downgrade seeded past the common depth.
+pub(crate) fn rank_by_cost(
+    ctx: &Ctx<'_>,
+    catalog: &Catalog,
+    members: &Members,
+    cands: &[Candidate],
+    chain: Option<Chain<'_>>,
+    request_tokens: i64,
+) -> Ranked {
+    let policy = ctx.policy;
+    let Some(view) = cost_view(policy, members.clone(), cands, chain, request_tokens) else {
+        return Ranked::DOWNGRADED;
+    };
+    let best = view.members[view.best];
+    let floor = i64::from(policy.minimum_matched_tokens).max(1);
+    let distinguishing = best.matched - view.common_tokens;
+    let evidence = distinguishing as f64 * ctx.freshness(best.oldest_seen);
+    if distinguishing < floor || evidence < policy.routing_floor_score {
+        return Ranked::Downgraded {
+            seed_block: view.common_blocks,
+        };
+    }
+    let total = request_tokens.max(1) as f64;
+    let mut ranked: SmallVec<[&MemberCost; 32]> =
+        view.members.iter().filter(|m| m.matched >= floor).collect();
+    ranked.sort_by(|a, b| {
+        a.cost
+            .total_cmp(&b.cost)
+            .then_with(|| b.matched.cmp(&a.matched))
+            .then_with(|| {
+                catalog
+                    .replica_str(a.replica)
+                    .cmp(catalog.replica_str(b.replica))
+            })
+    });
+    let scores = ranked
+        .into_iter()
+        .map(|m| {
+            let freshness = ctx.freshness(m.oldest_seen);
+            ReplicaScore {
+                replica_id: catalog.replica_str(m.replica).clone(),
+                score: (total / (total + m.cost)) as f32,
+                matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
+                estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0) * freshness) as f32,
+                tier: Tier::from_u8(m.tier),
+            }
+        })
+        .collect();
+    Ranked::Hint(crate::model::Reason::PrefixMatch, scores)
+}
+
+/// The AFFINITY_HINT of the cost-aware ranker: rendezvous hashing of the
+/// request's first block past the common depth over the members whose load
+/// is within the bound. `None` when affinity routing is off or nobody serves.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bounded_affinity(
+    policy: &CachePolicy,
+    catalog: &Catalog,
+    members: &Members,
+    cands: &[Candidate],
+    chain: Option<Chain<'_>>,
+    seed_block: usize,
+    prefix_hash: &[u8],
+    request_tokens: i64,
+    mean_tokens: f64,
+) -> Option<ReplicaScore> {
+    if !policy.affinity_routing {
+        return None;
+    }
+    let view = cost_view(policy, members.clone(), cands, chain, request_tokens)?;
+    let seed = match chain {
+        Some(c) if !c.hashes.is_empty() => {
+            seed_of(c.hashes.get(seed_block.min(c.hashes.len() - 1)))
+        }
+        _ if !prefix_hash.is_empty() => seed_of(prefix_hash),
+        _ => return None,
+    };
+    let mean_load = view.members.iter().map(|m| m.load).sum::<f64>() / view.members.len() as f64;
+    let limit = policy.load_bound * mean_load + (request_tokens as f64).max(mean_tokens);
+    let mut pick: Option<(u64, ReplicaId)> = None;
+    for m in view.members.iter().filter(|m| m.load <= limit) {
+        let weight = mix(seed ^ name_hash(catalog.replica_str(m.replica).as_bytes()));
+        if pick.is_none_or(|(w, _)| weight > w) {
+            pick = Some((weight, m.replica));
+        }
+    }
+    let (_, replica) = pick?;
+    Some(ReplicaScore {
+        replica_id: catalog.replica_str(replica).clone(),
+        score: 0.0,
+        matched_tokens: 0,
+        estimated_cache_hit_prob: 0.0,
+        tier: Tier::Unspecified,
+    })
+}
+
+fn seed_of(bytes: &[u8]) -> u64 {
+    match HashRef::from_bytes(bytes) {
+        HashRef::Narrow(h) => h,
+        HashRef::Wide(b) => name_hash(b),
+    }
+}
+
+/// FNV-1a: replica names hash the same on every server.
+fn name_hash(bytes: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// A 64-bit finalizer (SplitMix64), so neighbouring seeds spread.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}

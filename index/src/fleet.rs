@@ -1,0 +1,260 @@
+//! Fleet membership and load: which replicas serve a `(tenant, model)`, which
+//! of them are alive, and how much work is already queued on each.
+//!
+//! A replica *joins* the serving set of a `(tenant, model)` when it announces
+//! itself: any update for it (stats-only included; the update's hash scheme
+//! is recorded) or a `REPLICA_UPDATED` event naming tenant and model (no
+//! scheme: it serves every scheme of that pair until an update names one).
+//! It *leaves* on `ALL_CLEARED` (for the tenant / model the event names,
+//! every one when empty). Liveness is read at lookup time, so nothing has to
+//! run for a silent replica to drop out:
+//!
+//! - a replica that has heartbeated (`REPLICA_UPDATED` naming tenant and
+//!   model) is live while it was heard from within the tenant's
+//!   `replicaTimeout`;
+//! - one that never has (an older producer that only reports blocks) is live
+//!   while heard from within `replicaTimeout` or while it holds entries in
+//!   the scope, so its entries keep the contract's meaning until they age out.
+//!
+//! Load: each replica keeps its last [`ReplicaStatsReport`] and the prefill
+//! tokens this index itself hinted to it since that report (`pending`), so a
+//! burst of requests that arrives between two stats reports spreads instead of
+//! piling onto the replica that looked idle. A stats report resets `pending`.
+//!
+//! Concurrency: one `RwLock<Fleet>` in the index. Lookups take it shared and
+//! add to `pending` with an atomic; joins, leaves and stats take it exclusively
+//! (they are per update, not per block). Cost: the serving set of a lookup is
+//! one hash probe plus a pass over that pair's members.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hashbrown::HashMap;
+
+use crate::catalog::{NameId, ReplicaId};
+use crate::model::ReplicaStatsReport;
+
+/// What the index knows about one replica.
+#[derive(Debug, Default)]
+pub(crate) struct ReplicaRecord {
+    /// Last statistics reported for it.
+    pub stats: Option<ReplicaStatsReport>,
+    /// When they arrived (ms).
+    pub stats_at_ms: u64,
+    /// Last update or event from it (ms).
+    pub last_heard_ms: u64,
+    /// It has sent a `REPLICA_UPDATED` naming tenant and model, so silence
+    /// longer than `replicaTimeout` means it is gone.
+    pub heartbeats: bool,
+    /// Uncached prefill tokens hinted to it since `stats_at_ms`.
+    pub pending_tokens: AtomicU64,
+}
+
+impl ReplicaRecord {
+    /// Tokens hinted to it since its last stats report.
+    pub fn pending(&self) -> u64 {
+        self.pending_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Counts `tokens` of prefill just hinted to it.
+    pub fn add_pending(&self, tokens: u64) {
+        self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+}
+
+/// One member of a `(tenant, model)` serving set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Member {
+    pub replica: ReplicaId,
+    /// Hash schemes it reported under; empty when it only announced itself.
+    pub schemes: Vec<NameId>,
+}
+
+impl Member {
+    /// Whether it serves `scheme`.
+    pub fn serves(&self, scheme: Option<NameId>) -> bool {
+        self.schemes.is_empty() || scheme.is_some_and(|s| self.schemes.contains(&s))
+    }
+}
+
+/// Replica records and the serving sets.
+#[derive(Debug, Default)]
+pub(crate) struct Fleet {
+    pub records: HashMap<ReplicaId, ReplicaRecord>,
+    members: HashMap<[NameId; 2], Vec<Member>>,
+}
+
+impl Fleet {
+    /// Marks `replica` heard from at `now_ms` and returns its record.
+    pub fn heard(&mut self, replica: ReplicaId, now_ms: u64) -> &mut ReplicaRecord {
+        let record = self.records.entry(replica).or_default();
+        record.last_heard_ms = record.last_heard_ms.max(now_ms);
+        record
+    }
+
+    /// Records new stats and resets what was hinted since the last ones.
+    pub fn record_stats(&mut self, replica: ReplicaId, stats: ReplicaStatsReport, now_ms: u64) {
+        let record = self.records.entry(replica).or_default();
+        record.stats = Some(stats);
+        record.stats_at_ms = now_ms;
+        record.pending_tokens.store(0, Ordering::Relaxed);
+    }
+
+    /// Adds `replica` to the serving set of `(tenant, model)`, under `scheme`
+    /// when known.
+    pub fn join(
+        &mut self,
+        replica: ReplicaId,
+        tenant: NameId,
+        model: NameId,
+        scheme: Option<NameId>,
+    ) {
+        let members = self.members.entry([tenant, model]).or_default();
+        match members.iter_mut().find(|m| m.replica == replica) {
+            Some(member) => {
+                if let Some(s) = scheme
+                    && !member.schemes.contains(&s)
+                {
+                    member.schemes.push(s);
+                }
+            }
+            None => members.push(Member {
+                replica,
+                schemes: scheme.into_iter().collect(),
+            }),
+        }
+    }
+
+    /// Removes `replica` from the serving sets of the pairs that match
+    /// (`None` matches every tenant / model). Returns how many it left.
+    pub fn leave(
+        &mut self,
+        replica: ReplicaId,
+        tenant: Option<NameId>,
+        model: Option<NameId>,
+    ) -> usize {
+        let mut left = 0;
+        self.members.retain(|&[t, m], members| {
+            if tenant.is_none_or(|x| x == t) && model.is_none_or(|x| x == m) {
+                let before = members.len();
+                members.retain(|member| member.replica != replica);
+                left += before - members.len();
+            }
+            !members.is_empty()
+        });
+        left
+    }
+
+    /// Members of `(tenant, model)`, live or not.
+    pub fn members(&self, tenant: NameId, model: NameId) -> &[Member] {
+        self.members
+            .get(&[tenant, model])
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// `(tenant, model)` pairs `replica` is a member of.
+    pub fn memberships_of(&self, replica: ReplicaId) -> Vec<[NameId; 2]> {
+        let mut out: Vec<[NameId; 2]> = self
+            .members
+            .iter()
+            .filter(|(_, members)| members.iter().any(|m| m.replica == replica))
+            .map(|(&pair, _)| pair)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Whether `replica` counts as alive at `now_ms`; `holds` says whether it
+    /// holds entries in the scope asked about (only consulted for replicas
+    /// that never heartbeated).
+    pub fn is_live(
+        &self,
+        replica: ReplicaId,
+        now_ms: u64,
+        timeout_ms: u64,
+        holds: impl FnOnce() -> bool,
+    ) -> bool {
+        let Some(record) = self.records.get(&replica) else {
+            return holds();
+        };
+        let recent = now_ms.saturating_sub(record.last_heard_ms) <= timeout_ms;
+        if record.heartbeats {
+            recent
+        } else {
+            recent || holds()
+        }
+    }
+
+    /// Drops members whose heartbeats stopped more than `timeout_ms` ago.
+    /// Returns how many memberships ended.
+    pub fn expire(&mut self, now_ms: u64, timeout_ms: impl Fn(NameId) -> u64) -> usize {
+        let records = &self.records;
+        let mut ended = 0;
+        self.members.retain(|&[tenant, _], members| {
+            let limit = timeout_ms(tenant);
+            let before = members.len();
+            members.retain(|m| {
+                records.get(&m.replica).is_none_or(|r| {
+                    !r.heartbeats || now_ms.saturating_sub(r.last_heard_ms) <= limit
+                })
+            });
+            ended += before - members.len();
+            !members.is_empty()
+        });
+        ended
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_leave_and_schemes() {
+        let mut fleet = Fleet::default();
+        fleet.join(1, 10, 20, Some(30));
+        fleet.join(1, 10, 20, Some(31));
+        fleet.join(2, 10, 20, None);
+        fleet.join(1, 11, 20, Some(30));
+        let members = fleet.members(10, 20);
+        assert_eq!(members.len(), 2);
+        assert!(members[0].serves(Some(31)) && !members[0].serves(Some(32)));
+        assert!(
+            members[1].serves(Some(99)),
+            "announced without a scheme serves all"
+        );
+        assert_eq!(fleet.memberships_of(1), vec![[10, 20], [11, 20]]);
+        assert_eq!(fleet.leave(1, Some(10), None), 1);
+        assert_eq!(fleet.members(10, 20).len(), 1);
+        assert_eq!(fleet.leave(1, None, None), 1);
+        assert!(fleet.members(11, 20).is_empty());
+    }
+
+    #[test]
+    fn liveness_depends_on_heartbeats() {
+        let mut fleet = Fleet::default();
+        fleet.heard(1, 1_000);
+        fleet.heard(2, 1_000).heartbeats = true;
+        // Within the timeout both are live.
+        assert!(fleet.is_live(1, 5_000, 30_000, || false));
+        assert!(fleet.is_live(2, 5_000, 30_000, || false));
+        // Past it, a heartbeating replica is gone even if it holds entries;
+        // one that never heartbeated lives on through its entries.
+        assert!(!fleet.is_live(2, 40_000, 30_000, || true));
+        assert!(fleet.is_live(1, 40_000, 30_000, || true));
+        assert!(!fleet.is_live(1, 40_000, 30_000, || false));
+    }
+
+    #[test]
+    fn stats_reset_pending_and_expiry_frees_members() {
+        let mut fleet = Fleet::default();
+        fleet.heard(1, 0).heartbeats = true;
+        fleet.join(1, 10, 20, None);
+        fleet.records[&1].add_pending(500);
+        assert_eq!(fleet.records[&1].pending(), 500);
+        fleet.record_stats(1, ReplicaStatsReport::default(), 10);
+        assert_eq!(fleet.records[&1].pending(), 0);
+        assert_eq!(fleet.expire(20_000, |_| 30_000), 0);
+        assert_eq!(fleet.expire(40_000, |_| 30_000), 1);
+        assert!(fleet.members(10, 20).is_empty());
+    }
+}

@@ -1,0 +1,250 @@
+//! Fleet membership and the cost-aware ranker: who may be named, and where
+//! load, shared heads and new sessions send a request.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::*;
+
+fn cost_aware(f: &Fixture) {
+    f.policy("  ranker: CostAware\n");
+}
+
+fn announce(f: &Fixture, replica: &str) {
+    heartbeat(&f.index, replica);
+}
+
+fn load(f: &Fixture, replica: &str, waiting: u32, running: u32) {
+    let mut u = update(replica, vec![]);
+    u.stats = Some(ReplicaStatsReport {
+        requests_waiting: waiting,
+        requests_running: running,
+        ..Default::default()
+    });
+    f.index.ingest(&u);
+}
+
+#[test]
+fn an_announced_replica_with_no_blocks_is_a_member() {
+    let f = fixture();
+    f.hold("a", &chain(1..5));
+    announce(&f, "b");
+    // Contract ranker: AFFINITY_HINT picks over live members, empty ones included.
+    let picks: std::collections::HashSet<String> = (100..140)
+        .map(|i| f.lookup_chain(&chain(i..i + 2)))
+        .filter(|o| o.reason == Reason::AffinityHint)
+        .map(|o| o.scores[0].replica_id.to_string())
+        .collect();
+    assert_eq!(picks.len(), 2, "both members get novel prompts: {picks:?}");
+    let state = f.index.snapshot();
+    let b = state.replicas.iter().find(|r| r.replica_id == "b");
+    assert!(b.is_some_and(|b| b.heartbeats && b.member_of == vec!["team-a/llama"]));
+}
+
+#[test]
+fn a_silent_heartbeating_replica_is_never_named() {
+    let f = fixture();
+    for ranker in ["Contract", "CostAware"] {
+        f.policy(&format!("  ranker: {ranker}\n  replicaTimeout: 30s\n"));
+        announce(&f, "a");
+        f.hold("a", &chain(1..5));
+        announce(&f, "b");
+        assert_eq!(ids(&f.lookup_chain(&chain(1..5)))[0], "a", "{ranker}");
+        f.clock.advance(Duration::from_secs(20));
+        announce(&f, "b");
+        f.clock.advance(Duration::from_secs(15));
+        // a: 35 s of silence (gone); b: 15 s (live).
+        for i in 0..20 {
+            let o = f.lookup_chain(&chain(1..5));
+            assert!(ids(&o).iter().all(|&r| r != "a"), "{ranker}: {o:?}");
+            let novel = f.lookup_chain(&chain(200 + i..202 + i));
+            assert!(ids(&novel).iter().all(|&r| r != "a"), "{ranker}: {novel:?}");
+        }
+        // A word from it brings it back.
+        announce(&f, "a");
+        assert_eq!(ids(&f.lookup_chain(&chain(1..5)))[0], "a", "{ranker}");
+        // The sweep frees the membership of a replica that stays silent.
+        f.clock.advance(Duration::from_secs(31));
+        announce(&f, "b");
+        assert_eq!(f.index.sweep().members_expired, 1, "{ranker}");
+        announce(&f, "a");
+    }
+}
+
+#[test]
+fn a_producer_that_never_heartbeats_keeps_its_entries_counting() {
+    let f = fixture();
+    f.hold("a", &chain(1..5));
+    f.clock.advance(Duration::from_secs(600));
+    let o = f.lookup_chain(&chain(1..5));
+    assert_eq!((o.reason, ids(&o)), (Reason::PrefixMatch, vec!["a"]));
+}
+
+#[test]
+fn all_cleared_leaves_the_serving_set() {
+    let f = fixture();
+    cost_aware(&f);
+    announce(&f, "a");
+    announce(&f, "b");
+    f.hold("a", &chain(1..5));
+    f.index.publish(&CacheEvent {
+        kind: EventKind::AllCleared,
+        replica_id: "a".into(),
+        tenant_id: T.into(),
+        model_id: M.into(),
+        prefix_hash: Vec::new(),
+        adapter_id: String::new(),
+    });
+    for i in 0..20 {
+        let o = f.lookup_chain(&chain(300 + i..302 + i));
+        assert_eq!(ids(&o), vec!["b"]);
+    }
+    assert!(
+        f.index
+            .snapshot()
+            .replicas
+            .iter()
+            .any(|r| r.replica_id == "a" && r.member_of.is_empty())
+    );
+}
+
+#[test]
+fn a_head_every_member_holds_does_not_decide_the_pick() {
+    let f = fixture();
+    cost_aware(&f);
+    let head = chain(1..4); // a 192-token system prompt on every replica
+    for r in ["a", "b", "c", "d"] {
+        announce(&f, r);
+        f.hold(r, &head);
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for session in 0..400u64 {
+        // The engines report idle between sessions (stats catch up).
+        for r in ["a", "b", "c", "d"] {
+            load(&f, r, 0, 0);
+        }
+        let mut prompt = head.clone();
+        prompt.extend(chain(1000 + session * 10..1000 + session * 10 + 3));
+        let o = f.lookup_chain(&prompt);
+        assert_eq!(o.reason, Reason::AffinityHint, "the head is no evidence");
+        *counts
+            .entry(o.scores[0].replica_id.to_string())
+            .or_default() += 1;
+        // Same session again before anything is stored: the same replica.
+        assert_eq!(
+            f.lookup_chain(&prompt).scores[0].replica_id,
+            o.scores[0].replica_id
+        );
+    }
+    assert_eq!(counts.len(), 4);
+    assert!(counts.values().all(|&n| n >= 50), "spread: {counts:?}");
+}
+
+#[test]
+fn a_distinguishing_holder_wins_when_load_is_even() {
+    let f = fixture();
+    cost_aware(&f);
+    let head = chain(1..4);
+    for r in ["a", "b", "c", "d"] {
+        announce(&f, r);
+        f.hold(r, &head);
+        load(&f, r, 0, 2);
+    }
+    let mut turn = head.clone();
+    turn.extend(chain(50..56));
+    f.hold("c", &turn);
+    let mut next = turn.clone();
+    next.extend(chain(60..62));
+    let o = f.lookup_chain(&next);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    assert_eq!(ids(&o)[0], "c");
+    assert_eq!(o.scores[0].matched_tokens, 9 * 64);
+    // Every holder past the floor is listed, best first.
+    assert_eq!(o.scores.len(), 4);
+    assert!(o.scores.windows(2).all(|w| w[0].score >= w[1].score));
+}
+
+#[test]
+fn load_moves_the_pick_and_stale_stats_are_unknown() {
+    let f = fixture();
+    cost_aware(&f);
+    for r in ["a", "b"] {
+        announce(&f, r);
+        load(&f, r, 0, 0);
+    }
+    let session = chain(1..9);
+    f.hold("a", &session);
+    let mut next = session.clone();
+    next.extend(chain(20..22));
+    // Teach the index what a request costs: hinted requests of 640 tokens.
+    for i in 0..50 {
+        let o = f.lookup_chain(&chain(500 + i * 10..510 + i * 10));
+        assert!(!o.scores.is_empty());
+    }
+    for r in ["a", "b"] {
+        load(&f, r, 0, 0);
+    }
+    assert_eq!(ids(&f.lookup_chain(&next))[0], "a", "idle: the holder");
+    load(&f, "a", 40, 8);
+    load(&f, "b", 0, 0);
+    assert_eq!(ids(&f.lookup_chain(&next))[0], "b", "a is swamped: move");
+    // Six seconds later neither has reported: both loads are unknown,
+    // which is not idle for one and busy for the other.
+    f.clock.advance(Duration::from_secs(6));
+    announce(&f, "a");
+    announce(&f, "b");
+    assert_eq!(ids(&f.lookup_chain(&next))[0], "a", "stale stats ignored");
+}
+
+#[test]
+fn a_burst_spreads_before_stats_catch_up() {
+    let f = fixture();
+    cost_aware(&f);
+    for r in ["a", "b", "c", "d"] {
+        announce(&f, r);
+        load(&f, r, 0, 0);
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    // 40 novel 20-block requests in one instant, no stats in between.
+    for i in 0..40u64 {
+        let o = f.lookup_chain(&chain(10_000 + i * 100..10_020 + i * 100));
+        *counts
+            .entry(o.scores[0].replica_id.to_string())
+            .or_default() += 1;
+    }
+    let max = counts.values().copied().max().unwrap_or(0);
+    assert!(max <= 14, "bounded by what was just hinted: {counts:?}");
+    let pending: u64 = f
+        .index
+        .snapshot()
+        .replicas
+        .iter()
+        .map(|r| r.pending_tokens)
+        .sum();
+    assert_eq!(pending, 40 * 20 * 64, "every hinted token counted once");
+}
+
+#[test]
+fn cost_aware_keeps_reason_codes_honest() {
+    let f = fixture();
+    cost_aware(&f);
+    // No members at all: NO_HINT, as on a cold index.
+    assert_eq!(f.lookup_chain(&chain(1..3)).reason, Reason::NoHint);
+    announce(&f, "a");
+    f.hold("a", &chain(1..3));
+    // One 64-token block of evidence is below the 64-token floor? No: it
+    // reaches it exactly, and `a` is the only member.
+    let o = f.lookup_chain(&chain(1..2));
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    f.policy("  ranker: CostAware\n  affinityRouting: Disabled\n");
+    assert_eq!(f.lookup_chain(&chain(900..902)).reason, Reason::NoHint);
+    // Diagnostics keep precedence.
+    let mut r = LookupRequest::new("other", M, S);
+    let blocks = chain(1..3);
+    let counts = [64, 64];
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    assert_eq!(f.index.lookup(&r).reason, Reason::UnknownTenant);
+}
