@@ -1,0 +1,171 @@
+//! Many threads at once on one index: long-chain lookups (both rankers),
+//! ingest of overlapping chains, single-block removals, ALL_CLEARED,
+//! heartbeats, stats and sweeps. Fails on a hang (a watchdog bounds every
+//! round), a panic, or an answer no index could give: a replica outside the
+//! fleet, or a PREFIX_MATCH claiming more tokens than the request has.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use inference_cache_index::{
+    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, EventKind, LookupRequest, PolicySet,
+    PrefixReport, Reason, ReplicaStatsReport, SystemClock,
+};
+
+const REPLICAS: u64 = 6;
+const CHAIN: u64 = 256;
+const ROUND: Duration = Duration::from_millis(1500);
+const WATCHDOG: Duration = Duration::from_secs(20);
+
+fn policy(ranker: &str) -> PolicySet {
+    let doc = format!(
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p, namespace: \"*\"}}\nspec: {{ranker: {ranker}, minimumMatchedTokens: 16}}\n"
+    );
+    PolicySet::from_yaml(&doc).expect("policy")
+}
+
+fn block(family: u64, i: u64) -> Vec<u8> {
+    ((family << 32) | i).to_be_bytes().to_vec()
+}
+
+fn chain(family: u64, len: u64) -> Vec<Vec<u8>> {
+    (0..len).map(|i| block(family, i)).collect()
+}
+
+fn replica(r: u64) -> String {
+    format!("10.0.0.{r}:8000")
+}
+
+fn update(r: u64, prefixes: Vec<PrefixReport>, stats: Option<ReplicaStatsReport>) -> CacheUpdate {
+    CacheUpdate {
+        replica_id: replica(r),
+        tenant_id: "t".into(),
+        model_id: "m".into(),
+        hash_scheme: "vllm".into(),
+        prefixes,
+        stats,
+        ..Default::default()
+    }
+}
+
+fn event(kind: EventKind, r: u64, hash: Vec<u8>) -> CacheEvent {
+    CacheEvent {
+        kind,
+        replica_id: replica(r),
+        tenant_id: "t".into(),
+        model_id: "m".into(),
+        prefix_hash: hash,
+        adapter_id: String::new(),
+    }
+}
+
+/// One round: `threads` workers for `ROUND`; returns lookups answered.
+fn round(seed: u64, threads: usize) -> u64 {
+    let index = Arc::new(CacheIndex::new(Arc::new(SystemClock), 200_000));
+    index.set_policies(policy(if seed % 2 == 0 {
+        "CostAware"
+    } else {
+        "Contract"
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    let lookups = Arc::new(AtomicU64::new(0));
+    let mut handles = Vec::new();
+    for worker in 0..threads {
+        let (index, stop, lookups) = (index.clone(), stop.clone(), lookups.clone());
+        handles.push(thread::spawn(move || {
+            let mut n = seed.wrapping_mul(31).wrapping_add(worker as u64);
+            let mut next = || {
+                n ^= n << 13;
+                n ^= n >> 7;
+                n ^= n << 17;
+                n
+            };
+            let counts = vec![16; CHAIN as usize];
+            while !stop.load(Ordering::Relaxed) {
+                let family = next() % 4;
+                let r = next() % REPLICAS;
+                match worker % 6 {
+                    // Lookups of long overlapping chains.
+                    0..=2 => {
+                        let len = 1 + next() % CHAIN;
+                        let hashes = chain(family, len);
+                        let mut req = LookupRequest::new("t", "m", "vllm");
+                        req.chain = Some(Chain {
+                            hashes: BlockHashes::Bytes(&hashes),
+                            token_counts: &counts[..len as usize],
+                        });
+                        let out = index.lookup(&req);
+                        for s in &out.scores {
+                            let known = (0..REPLICAS).any(|r| *s.replica_id == replica(r));
+                            assert!(known, "unknown replica {}", s.replica_id);
+                            assert!(i64::from(s.matched_tokens) <= 16 * len as i64);
+                        }
+                        if out.reason == Reason::PrefixMatch {
+                            assert!(!out.scores.is_empty());
+                        }
+                        lookups.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Ingest of overlapping chains, with stats.
+                    3 => {
+                        let len = 1 + next() % CHAIN;
+                        let stats = ReplicaStatsReport {
+                            requests_waiting: (next() % 8) as u32,
+                            requests_running: (next() % 8) as u32,
+                            ..Default::default()
+                        };
+                        index.ingest(&update(
+                            r,
+                            vec![PrefixReport {
+                                block_hashes: chain(family, len),
+                                block_token_counts: vec![16; len as usize],
+                                ..Default::default()
+                            }],
+                            Some(stats),
+                        ));
+                    }
+                    // Removals and heartbeats.
+                    4 => {
+                        let i = next() % CHAIN;
+                        index.publish(&event(EventKind::PrefixEvicted, r, block(family, i)));
+                        index.publish(&event(EventKind::ReplicaUpdated, r, Vec::new()));
+                    }
+                    // ALL_CLEARED and sweeps.
+                    _ => {
+                        if next() % 8 == 0 {
+                            index.publish(&event(EventKind::AllCleared, r, Vec::new()));
+                        }
+                        index.sweep();
+                        thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }));
+    }
+    thread::sleep(ROUND);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().expect("worker panicked");
+    }
+    lookups.load(Ordering::Relaxed)
+}
+
+#[test]
+fn no_hang_no_panic_under_concurrent_lookups_ingest_and_removals() {
+    for seed in 0..10u64 {
+        let (tx, rx) = mpsc::channel();
+        let started = Instant::now();
+        thread::spawn(move || {
+            let answered = round(seed, 12);
+            let _ = tx.send(answered);
+        });
+        match rx.recv_timeout(WATCHDOG) {
+            Ok(answered) => assert!(answered > 0, "round {seed}: no lookup completed"),
+            Err(_) => panic!(
+                "round {seed}: the index hung (no progress after {:?})",
+                started.elapsed()
+            ),
+        }
+    }
+}
