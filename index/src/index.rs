@@ -22,10 +22,12 @@ use crate::model::{
     TenantSnapshot, Tier,
 };
 use crate::policy::PolicySet;
-use crate::store::{HashRef, Holder, Store};
+use crate::store::{Admit, HashRef, Holder, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+/// Default bound on the replicas one key keeps.
+pub const DEFAULT_MAX_HOLDERS_PER_KEY: usize = 256;
 
 /// The in-memory KV-cache index and ranker.
 ///
@@ -39,9 +41,13 @@ pub struct CacheIndex {
     pub(crate) policies: ArcSwap<PolicySet>,
     pub(crate) clock: Arc<dyn Clock>,
     max_entries: AtomicU64,
+    max_holders: AtomicU64,
+    /// New entries refused at the cap (total, and since the last sweep).
+    refused: AtomicU64,
+    pub(crate) refused_since_sweep: AtomicU64,
     pub(crate) entries: AtomicI64,
     pub(crate) keys: AtomicI64,
-    evictions: [AtomicU64; 4],
+    evictions: [AtomicU64; 5],
 }
 
 impl std::fmt::Debug for CacheIndex {
@@ -92,6 +98,9 @@ impl CacheIndex {
             policies: ArcSwap::from_pointee(PolicySet::default()),
             clock,
             max_entries: AtomicU64::new(max_entries),
+            max_holders: AtomicU64::new(DEFAULT_MAX_HOLDERS_PER_KEY as u64),
+            refused: AtomicU64::new(0),
+            refused_since_sweep: AtomicU64::new(0),
             entries: AtomicI64::new(0),
             keys: AtomicI64::new(0),
             evictions: Default::default(),
@@ -123,7 +132,8 @@ impl CacheIndex {
         self.max_entries.load(Ordering::Relaxed)
     }
 
-    /// Changes the global entry cap (enforced by the next sweep).
+    /// Changes the global entry cap (new entries past it are refused at
+    /// ingest; the next sweep evicts down to it).
     pub fn set_max_entries(&self, max: u64) {
         self.max_entries.store(max, Ordering::Relaxed);
     }
@@ -204,6 +214,10 @@ impl CacheIndex {
         }
         // (adapter, partition, new entries, new keys) of this update.
         let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
+        // New entries this update may still add under the global cap.
+        let mut room = self.max_entries() as i64 - self.entry_count();
+        let max_holders = self.max_holders_per_key();
+        let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
         for prefix in &update.prefixes {
             let has_chain =
                 !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
@@ -256,16 +270,30 @@ impl CacheIndex {
             let mut write = |hash: &[u8], count: i32| {
                 let hash = HashRef::from_bytes(hash);
                 let slot = Store::slot(part, hash);
+                let admit = Admit {
+                    new_entries: room > 0,
+                    max_holders,
+                };
                 let up = self.store.shard(slot.shard).write().upsert(
                     part,
                     hash,
                     slot.mixed,
                     count.max(0) as u32,
                     holder,
+                    admit,
                 );
+                if up.refused {
+                    report.entries_refused += 1;
+                    return;
+                }
                 report.entries_written += 1;
                 added += i64::from(up.new_entry);
                 keys += i64::from(up.new_key);
+                if let Some(victim) = up.displaced {
+                    displaced.push((part, victim));
+                } else if up.new_entry {
+                    room -= 1;
+                }
             };
             for (hash, &count) in prefix.block_hashes.iter().zip(&prefix.block_token_counts) {
                 write(hash, count);
@@ -283,8 +311,33 @@ impl CacheIndex {
             deltas.entry(part, replica, added);
             deltas.key(part, keys);
         }
+        for &(part, victim) in &displaced {
+            deltas.entry(part, victim, -1);
+        }
         self.apply(&deltas);
+        self.count_evictions(EvictionReason::HoldersPerKey, displaced.len() as u64);
+        if report.entries_refused > 0 {
+            self.refused
+                .fetch_add(report.entries_refused, Ordering::Relaxed);
+            self.refused_since_sweep
+                .fetch_add(report.entries_refused, Ordering::Relaxed);
+        }
         report
+    }
+
+    /// New entries refused at the global entry cap so far.
+    pub fn entries_refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Most replicas one key keeps (the stalest makes room for a new one).
+    pub fn max_holders_per_key(&self) -> usize {
+        self.max_holders.load(Ordering::Relaxed) as usize
+    }
+
+    /// Changes the holders-per-key bound (applies to later ingests).
+    pub fn set_max_holders_per_key(&self, max: usize) {
+        self.max_holders.store(max.max(1) as u64, Ordering::Relaxed);
     }
 
     fn record_stats(&self, replica: ReplicaId, stats: Option<&ReplicaStatsReport>, now_ms: u64) {

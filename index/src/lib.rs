@@ -59,7 +59,7 @@ mod sweep;
 mod table;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES};
+pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_HOLDERS_PER_KEY};
 pub use lookup::{affinity_digest, pick_affinity};
 pub use model::{
     BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, DropReason, EventKind, EventReport,

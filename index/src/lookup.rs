@@ -15,7 +15,8 @@
 //! 6. a deadline passed while working → TIMEOUT (and no LFU credit).
 //!
 //! Cost: one table probe per chain block while at least one replica is still
-//! in the run, with each touched shard read-locked once (windows of 32 blocks
+//! in the run, and one merge of the run's candidates with the block's holders
+//! (both sorted by replica id, at most `maxHoldersPerKey` each), with each touched shard read-locked once (windows of 32 blocks
 //! are locked first, their home slots and then their holder lists touched in
 //! passes of independent loads, so their cache misses overlap);
 //! candidates live in a stack buffer. The only
@@ -474,10 +475,15 @@ impl CacheIndex {
                     }
                     continue;
                 }
+                // Candidates and holders are both sorted by replica id: one merge.
                 let holders = held.map_or(&[][..], |h| h.holders);
                 let mut any = false;
+                let mut j = 0;
                 for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
-                    match holders.iter().find(|h| h.replica == c.replica) {
+                    while j < holders.len() && { holders[j].replica } < c.replica {
+                        j += 1;
+                    }
+                    match holders.get(j).filter(|h| h.replica == c.replica) {
                         Some(h) => {
                             c.matched += tokens;
                             c.blocks += 1;
@@ -542,11 +548,15 @@ impl CacheIndex {
         let floor = i64::from(ctx.policy.minimum_matched_tokens);
         let records = &fleet.records;
         let mut scores = Vec::with_capacity(all.len());
+        // Matched depths in order, so "how many matched at least as much" is
+        // a binary search rather than a pass per candidate.
+        let mut depths: SmallVec<[i64; INLINE]> = all.iter().map(|c| c.matched).collect();
+        depths.sort_unstable();
         for c in all.iter().filter(|c| c.matched >= floor && c.matched > 0) {
             let power = if scope_size <= 1 {
                 1.0
             } else {
-                let at_least = all.iter().filter(|o| o.matched >= c.matched).count();
+                let at_least = depths.len() - depths.partition_point(|&d| d < c.matched);
                 1.0 - at_least as f64 / f64::from(scope_size)
             };
             let freshness = ctx.freshness(c.oldest_seen);

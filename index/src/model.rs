@@ -151,6 +151,8 @@ pub struct IngestReport {
     pub entries_written: u64,
     /// Entries that did not exist before.
     pub entries_added: u64,
+    /// New entries refused because the index is at its global entry cap.
+    pub entries_refused: u64,
     /// Dropped prefix reports by reason.
     pub dropped: Vec<(DropReason, u64)>,
     /// Whether stats were recorded.
@@ -486,11 +488,19 @@ pub enum EvictionReason {
     Quota,
     /// PREFIX_EVICTED / ALL_CLEARED from a producer.
     Event,
+    /// Made room for a newer holder of a key at the holders-per-key bound.
+    HoldersPerKey,
 }
 
 impl EvictionReason {
     /// Every reason, for metric pre-registration.
-    pub const ALL: [Self; 4] = [Self::Ttl, Self::Capacity, Self::Quota, Self::Event];
+    pub const ALL: [Self; 5] = [
+        Self::Ttl,
+        Self::Capacity,
+        Self::Quota,
+        Self::Event,
+        Self::HoldersPerKey,
+    ];
 
     /// Metric label.
     pub fn as_str(self) -> &'static str {
@@ -499,6 +509,7 @@ impl EvictionReason {
             Self::Capacity => "capacity",
             Self::Quota => "quota",
             Self::Event => "event",
+            Self::HoldersPerKey => "holders_per_key",
         }
     }
 }

@@ -5,8 +5,10 @@
 //! token count — so a lookup probe touches one cache line of the table plus
 //! the holder list. Other widths live in a side table keyed by the raw bytes.
 //! Each key's holders are an exact-size boxed slice of 11-byte [`Holder`]s
-//! (replica id, last-seen seconds, tier, access count); adding a replica to a
-//! key reallocates it, refreshing one is in place.
+//! (replica id, last-seen seconds, tier, access count) sorted by replica id,
+//! so a chain walk intersects candidates and holders in one merge pass;
+//! adding a replica to a key reallocates it, refreshing one is in place. A
+//! key keeps at most [`Admit::max_holders`] holders (the stalest makes room).
 //!
 //! Concurrency: the key space is split over [`SHARDS`] shards, each a pair of
 //! [`ProbeTable`]s behind a `parking_lot::RwLock`, picked by a hash of the
@@ -108,11 +110,24 @@ pub(crate) struct Shard {
     wide: ProbeTable<WideEntry>,
 }
 
+/// What an upsert may do besides refreshing an existing hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Admit {
+    /// A new holder (entry) may be added (false at the entry cap).
+    pub new_entries: bool,
+    /// Most holders a key keeps; past it the stalest holder makes room.
+    pub max_holders: usize,
+}
+
 /// What an upsert changed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Upserted {
     pub new_key: bool,
     pub new_entry: bool,
+    /// The new entry was refused (entry cap).
+    pub refused: bool,
+    /// The holder that made room for the new one (holders-per-key cap).
+    pub displaced: Option<ReplicaId>,
 }
 
 /// A key's holders as seen by a reader.
@@ -177,21 +192,56 @@ impl Shard {
         mixed: u64,
         token_count: u32,
         holder: Holder,
+        admit: Admit,
     ) -> Upserted {
         if let Some((count, holders)) = self.holders_mut(part, hash, mixed) {
             *count = token_count;
-            if let Some(existing) = holders.iter_mut().find(|h| h.replica == holder.replica) {
-                existing.last_seen = holder.last_seen;
-                existing.tier = holder.tier;
-                return Upserted::default();
+            let replica = holder.replica;
+            let at = holders.binary_search_by_key(&replica, |h| h.replica);
+            let at = match at {
+                Ok(i) => {
+                    holders[i].last_seen = holder.last_seen;
+                    holders[i].tier = holder.tier;
+                    return Upserted::default();
+                }
+                Err(i) => i,
+            };
+            if !admit.new_entries {
+                return Upserted {
+                    refused: true,
+                    ..Upserted::default()
+                };
             }
             let mut grown = Vec::with_capacity(holders.len() + 1);
-            grown.extend_from_slice(holders);
+            grown.extend_from_slice(&holders[..at]);
             grown.push(holder);
+            grown.extend_from_slice(&holders[at..]);
+            let mut displaced = None;
+            if grown.len() > admit.max_holders.max(1) {
+                // The stalest other holder makes room (ties: lowest replica id).
+                let victim = grown
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, h)| h.replica != holder.replica)
+                    .min_by_key(|(_, h)| h.last_seen)
+                    .map(|(i, h)| (i, h.replica));
+                if let Some((i, replica)) = victim {
+                    grown.remove(i);
+                    displaced = Some(replica);
+                }
+            }
             *holders = grown.into_boxed_slice();
             return Upserted {
                 new_key: false,
                 new_entry: true,
+                refused: false,
+                displaced,
+            };
+        }
+        if !admit.new_entries {
+            return Upserted {
+                refused: true,
+                ..Upserted::default()
             };
         }
         let holders: Box<[Holder]> = Box::new([holder]);
@@ -222,6 +272,8 @@ impl Shard {
         Upserted {
             new_key: true,
             new_entry: true,
+            refused: false,
+            displaced: None,
         }
     }
 
@@ -390,6 +442,11 @@ mod tests {
         assert_eq!(std::mem::size_of::<Option<NarrowEntry>>(), 32);
     }
 
+    const OPEN: Admit = Admit {
+        new_entries: true,
+        max_holders: usize::MAX,
+    };
+
     #[test]
     fn upsert_refresh_and_remove() {
         let mut shard = Shard::default();
@@ -402,21 +459,23 @@ mod tests {
             access: 0,
         };
         assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(0, 10, 1)),
+            shard.upsert(1, h, s.mixed, 16, holder(0, 10, 1), OPEN),
             Upserted {
                 new_key: true,
-                new_entry: true
+                new_entry: true,
+                ..Upserted::default()
             }
         );
         assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(1, 11, 1)),
+            shard.upsert(1, h, s.mixed, 16, holder(1, 11, 1), OPEN),
             Upserted {
                 new_key: false,
-                new_entry: true
+                new_entry: true,
+                ..Upserted::default()
             }
         );
         assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(0, 12, 2)),
+            shard.upsert(1, h, s.mixed, 16, holder(0, 12, 2), OPEN),
             Upserted::default()
         );
         let held = shard.get(1, h, s.mixed).expect("present");
@@ -429,6 +488,62 @@ mod tests {
         assert_eq!(shard.remove(1, h, s.mixed, 0), (false, false));
         assert_eq!(shard.remove(1, h, s.mixed, 1), (true, true));
         assert!(shard.get(1, h, s.mixed).is_none());
+    }
+
+    #[test]
+    fn holders_stay_sorted_capped_and_refusable() {
+        let mut shard = Shard::default();
+        let h = HashRef::Narrow(7);
+        let s = Store::slot(0, h);
+        let admit = Admit {
+            new_entries: true,
+            max_holders: 3,
+        };
+        let hold = |replica, last_seen| Holder {
+            replica,
+            last_seen,
+            tier: 1,
+            access: 0,
+        };
+        for (r, seen) in [(5, 10), (2, 11), (9, 12)] {
+            assert!(
+                shard
+                    .upsert(0, h, s.mixed, 16, hold(r, seen), admit)
+                    .new_entry
+            );
+        }
+        let order = |shard: &Shard| -> Vec<u32> {
+            shard
+                .get(0, h, s.mixed)
+                .map(|held| held.holders.iter().map(|x| x.replica).collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(order(&shard), vec![2, 5, 9]);
+        // A fourth holder displaces the stalest (replica 5, seen at 10).
+        let up = shard.upsert(0, h, s.mixed, 16, hold(1, 13), admit);
+        assert_eq!((up.new_entry, up.displaced), (true, Some(5)));
+        assert_eq!(order(&shard), vec![1, 2, 9]);
+        // At the entry cap a new holder is refused, a refresh is not.
+        let closed = Admit {
+            new_entries: false,
+            ..admit
+        };
+        assert!(shard.upsert(0, h, s.mixed, 16, hold(4, 14), closed).refused);
+        assert_eq!(
+            shard.upsert(0, h, s.mixed, 16, hold(9, 14), closed),
+            Upserted::default()
+        );
+        let other = HashRef::Narrow(8);
+        let up = shard.upsert(
+            0,
+            other,
+            Store::slot(0, other).mixed,
+            16,
+            hold(4, 14),
+            closed,
+        );
+        assert!(up.refused && !up.new_key);
+        assert_eq!(order(&shard), vec![1, 2, 9]);
     }
 
     #[test]
@@ -449,6 +564,7 @@ mod tests {
                 tier: 1,
                 access: 0,
             },
+            OPEN,
         );
         assert_eq!(shard.get(0, h, s.mixed).map(|x| x.token_count), Some(32));
         assert_eq!(HashRef::from_bytes(&5u64.to_be_bytes()), HashRef::Narrow(5));

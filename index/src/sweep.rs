@@ -4,7 +4,8 @@
 //! tenant's `evictionTTL` (and end the memberships of replicas whose
 //! heartbeats stopped for `replicaTimeout`); (2) for each tenant over `quota.maxIndexEntries`,
 //! evict its excess; (3) if the index is still over the global cap, evict the
-//! excess spread over tenants in proportion to their entries. Victims within a
+//! excess spread over tenants in proportion to their entries (ingest refuses
+//! new entries at the cap; after a refusal the sweep makes extra room). Victims within a
 //! tenant are chosen in the tenant's order: LRU (oldest `last_seen` first) or
 //! LFU (fewest accesses first, oldest first on ties).
 //!
@@ -82,10 +83,19 @@ impl CacheIndex {
             }
         }
 
+        // Ingest refuses new entries at the cap; when it had to, evict an
+        // extra twentieth of the cap so fresh blocks find room before the
+        // next sweep.
         let total = self.entry_count().max(0) as u64;
         let cap = self.max_entries();
-        if total > cap {
-            let excess = total - cap;
+        let refused = self.refused_since_sweep.swap(0, Ordering::Relaxed);
+        let target = if refused > 0 {
+            cap.saturating_sub((cap / 20).max(1))
+        } else {
+            cap
+        };
+        if total > target {
+            let excess = total - target;
             let mut plan: HashMap<NameId, u64> = HashMap::new();
             for (&tenant, &entries) in per_tenant.iter().filter(|(_, e)| **e > 0) {
                 let share = (excess as u128 * entries as u128).div_ceil(total as u128);

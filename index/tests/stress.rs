@@ -64,7 +64,7 @@ fn event(kind: EventKind, r: u64, hash: Vec<u8>) -> CacheEvent {
 /// One round: `threads` workers for `ROUND`; returns lookups answered.
 fn round(seed: u64, threads: usize) -> u64 {
     let index = Arc::new(CacheIndex::new(Arc::new(SystemClock), 200_000));
-    index.set_policies(policy(if seed % 2 == 0 {
+    index.set_policies(policy(if seed.is_multiple_of(2) {
         "CostAware"
     } else {
         "Contract"

@@ -248,3 +248,61 @@ fn cost_aware_keeps_reason_codes_honest() {
     });
     assert_eq!(f.index.lookup(&r).reason, Reason::UnknownTenant);
 }
+
+#[test]
+fn the_entry_cap_holds_at_ingest_and_the_sweep_makes_room() {
+    let f = fixture();
+    f.index.set_max_entries(40);
+    for r in 0..5 {
+        f.hold(&format!("r{r}"), &chain(r * 100..r * 100 + 12));
+        assert!(f.index.entry_count() <= 40, "never past the cap");
+        f.clock.advance(Duration::from_secs(1));
+    }
+    assert_eq!(f.index.entry_count(), 40);
+    assert_eq!(f.index.entries_refused(), 20);
+    // Refreshing what is held is never refused.
+    f.hold("r0", &chain(0..12));
+    assert_eq!(f.index.entries_refused(), 20);
+    // The sweep evicts the oldest to make room (a twentieth of the cap).
+    let swept = f.index.sweep();
+    assert_eq!(swept.capacity, 2);
+    f.hold("r9", &chain(900..902));
+    assert_eq!(f.index.entry_count(), 40);
+}
+
+#[test]
+fn a_key_keeps_at_most_max_holders() {
+    let f = fixture();
+    f.index.set_max_holders_per_key(3);
+    let blocks = chain(1..3);
+    for r in 0..6 {
+        f.hold(&format!("r{r}"), &blocks);
+        f.clock.advance(Duration::from_secs(1));
+    }
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.reason, Reason::PrefixMatch);
+    // The three freshest holders remain.
+    let mut named = ids(&o);
+    named.sort_unstable();
+    assert_eq!(named, vec!["r3", "r4", "r5"]);
+    assert_eq!(f.index.entry_count(), 6);
+    assert_eq!(f.index.evictions(EvictionReason::HoldersPerKey), 6);
+}
+
+#[test]
+fn a_lookup_over_thousands_of_holders_stays_linear() {
+    let f = fixture();
+    f.policy("  routingFloorScore: \"0\"\n");
+    f.index.set_max_holders_per_key(8192);
+    let blocks = chain(1..65);
+    for r in 0..5000 {
+        f.hold(&format!("10.1.{}.{}:8000", r / 250, r % 250), &blocks);
+    }
+    // Every holder matches all 64 blocks: the walk merges sorted lists.
+    let started = std::time::Instant::now();
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(o.scores.len(), 5000);
+    assert!(o.scores.iter().all(|s| s.matched_tokens == 64 * 64));
+    // Behaviour only; the figure is reported, not asserted.
+    eprintln!("5000-holder lookup: {:?}", started.elapsed());
+}
