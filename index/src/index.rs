@@ -315,7 +315,8 @@ impl CacheIndex {
             deltas.entry(part, victim, -1);
         }
         self.apply(&deltas);
-        self.count_evictions(EvictionReason::HoldersPerKey, displaced.len() as u64);
+        report.holders_displaced = displaced.len() as u64;
+        self.count_evictions(EvictionReason::HoldersPerKey, report.holders_displaced);
         if report.entries_refused > 0 {
             self.refused
                 .fetch_add(report.entries_refused, Ordering::Relaxed);

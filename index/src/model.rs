@@ -153,6 +153,8 @@ pub struct IngestReport {
     pub entries_added: u64,
     /// New entries refused because the index is at its global entry cap.
     pub entries_refused: u64,
+    /// Holders that made room at the holders-per-key bound.
+    pub holders_displaced: u64,
     /// Dropped prefix reports by reason.
     pub dropped: Vec<(DropReason, u64)>,
     /// Whether stats were recorded.

@@ -36,9 +36,13 @@ pub struct IndexArgs {
     #[arg(long, env = "INFERENCE_CACHE_POLICY_FILE")]
     pub policy_file: Option<PathBuf>,
 
-    /// Global cap on block-replica entries; the sweep evicts above it.
+    /// Global cap on block-replica entries: new entries past it are refused at ingest (counted), and the sweep evicts LRU / LFU to make room.
     #[arg(long, default_value_t = inference_cache_index::DEFAULT_MAX_ENTRIES, env = "INFERENCE_CACHE_MAX_INDEX_ENTRIES")]
     pub max_index_entries: u64,
+
+    /// Most replicas one prefix key keeps; past it the stalest holder makes room (counted as `holders_per_key` evictions).
+    #[arg(long, default_value_t = inference_cache_index::DEFAULT_MAX_HOLDERS_PER_KEY as u32, value_parser = clap::value_parser!(u32).range(1..), env = "INFERENCE_CACHE_MAX_HOLDERS_PER_KEY")]
+    pub max_holders_per_key: u32,
 
     /// Engine KV block size used to fingerprint token_ids (must match the engines and the subscriber).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), env = "INFERENCE_CACHE_ENGINE_BLOCK_SIZE")]
@@ -63,6 +67,7 @@ impl IndexArgs {
         IndexSettings {
             policy_file: self.policy_file,
             max_index_entries: self.max_index_entries,
+            max_holders_per_key: self.max_holders_per_key as usize,
             engine_block_size: self.engine_block_size as usize,
             sweep_interval: self.sweep_interval,
             clock: ClockHandle::default(),
@@ -101,6 +106,8 @@ pub struct IndexSettings {
     pub policy_file: Option<PathBuf>,
     /// Global entry cap.
     pub max_index_entries: u64,
+    /// Most holders per prefix key.
+    pub max_holders_per_key: usize,
     /// Tokens per engine KV block.
     pub engine_block_size: usize,
     /// Background sweep interval.
@@ -114,6 +121,7 @@ impl Default for IndexSettings {
         Self {
             policy_file: None,
             max_index_entries: inference_cache_index::DEFAULT_MAX_ENTRIES,
+            max_holders_per_key: inference_cache_index::DEFAULT_MAX_HOLDERS_PER_KEY,
             engine_block_size: 16,
             sweep_interval: Duration::from_secs(10),
             clock: ClockHandle::default(),
@@ -140,6 +148,8 @@ pub struct IndexMetrics {
     ingest_updates: Counter,
     ingest_entries: Counter,
     ingest_dropped: Family<ReasonLabel, Counter>,
+    ingest_refused: Counter,
+    members_expired: Counter,
     policy_reloads: Family<ResultLabel, Counter>,
 }
 
@@ -159,7 +169,7 @@ impl IndexMetrics {
         );
         registry.register(
             "index_evictions",
-            "Entries removed from the index by reason (ttl, capacity, quota, event)",
+            "Entries removed from the index by reason (ttl, capacity, quota, event, holders_per_key)",
             m.evictions.clone(),
         );
         registry.register(
@@ -176,6 +186,16 @@ impl IndexMetrics {
             "ingest_dropped",
             "Prefix entries dropped at ingest by reason",
             m.ingest_dropped.clone(),
+        );
+        registry.register(
+            "ingest_refused",
+            "New block-replica entries refused at ingest because the index was at --max-index-entries",
+            m.ingest_refused.clone(),
+        );
+        registry.register(
+            "fleet_members_expired",
+            "Serving-set memberships ended because a heartbeating replica went silent past replicaTimeout",
+            m.members_expired.clone(),
         );
         registry.register(
             "policy_reload",
@@ -216,6 +236,7 @@ impl IndexState {
             Arc::clone(&settings.clock.0),
             settings.max_index_entries,
         ));
+        index.set_max_holders_per_key(settings.max_holders_per_key);
         let state = Self {
             index,
             engine_block_size: settings.engine_block_size.max(1),
@@ -267,6 +288,13 @@ impl IndexState {
     pub fn record_ingest(&self, report: &IngestReport) {
         self.metrics.ingest_updates.inc();
         self.metrics.ingest_entries.inc_by(report.entries_written);
+        self.metrics.ingest_refused.inc_by(report.entries_refused);
+        if report.holders_displaced > 0 {
+            self.metrics
+                .evictions
+                .get_or_create(&label(EvictionReason::HoldersPerKey.as_str()))
+                .inc_by(report.holders_displaced);
+        }
         for (reason, n) in &report.dropped {
             self.metrics
                 .ingest_dropped
@@ -290,6 +318,7 @@ impl IndexState {
     /// Runs one sweep and records it.
     pub fn sweep(&self) -> SweepReport {
         let report = self.index.sweep();
+        self.metrics.members_expired.inc_by(report.members_expired);
         for (reason, n) in [
             (EvictionReason::Ttl, report.ttl),
             (EvictionReason::Quota, report.quota),
