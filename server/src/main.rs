@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use inference_cache_replay::ReplayArgs;
 use inference_cache_server::{IndexArgs, PromptArgs, ServeConfig, start};
 use inference_cache_subscriber::SubscribeArgs;
 use tracing_subscriber::EnvFilter;
@@ -37,6 +38,8 @@ enum Command {
     Serve(ServeArgs),
     /// Feed the server's index from an engine's ZMQ KV events (vLLM, SGLang).
     Subscribe(SubscribeArgs),
+    /// Replay a request trace through routing policies over simulated replicas.
+    Replay(ReplayArgs),
 }
 
 /// Flags of `inference-cache serve`.
@@ -118,6 +121,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Subscribe(args) => inference_cache_subscriber::run(args).await,
+        Command::Replay(args) => inference_cache_replay::run(args).await.map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,272 @@
+//! The `inference-cache` rows: the real index and ranker, fed as the engine
+//! subscriber would feed them, behind the gateway's routing rule.
+//!
+//! Feeding (the same for the in-process index and a `--server`):
+//! - at start every replica announces itself with a stats-only update (no
+//!   prefixes, zero load);
+//! - every stats interval each replica reports its [`Load`] as
+//!   `ReplicaStats` (`requests_waiting`, `requests_running`,
+//!   `kv_cache_usage`, `pressure`, `hit_rate`);
+//! - when a replica admits a request, the blocks it newly stored are ingested
+//!   as one chain (`PrefixReport { block_hashes, block_token_counts }`,
+//!   hash ids as 8-byte big-endian values) and every block it evicted is
+//!   published as `PREFIX_EVICTED`. Admission is modelled at routing time
+//!   (the moment the replica's cache changes in the simulation), so the index
+//!   sees a replica's new blocks before the next request is routed; in a real
+//!   fleet they arrive when the prefill completes. Blocks that were already
+//!   held are not re-reported, as the engine emits no event for a cache hit.
+//!
+//! Lookup: `tenant "replay"`, `model "trace"`, `hash_scheme "vllm"`, the
+//! request's whole chain as a wire chain. Gateway rule: route to
+//! `scores[0]` on PREFIX_MATCH / TENANT_HOT / AFFINITY_HINT, else round-robin.
+//! Every reason code is counted.
+
+use std::collections::BTreeMap;
+
+use inference_cache_index::{CacheEvent, CacheUpdate, EventKind, PrefixReport, ReplicaStatsReport};
+
+use crate::error::ReplayError;
+use crate::policy::{RoundRobin, RouteContext, Router};
+use crate::replica::{Load, Replica};
+use crate::trace::Request;
+
+/// Tenant every replayed request belongs to.
+pub const TENANT: &str = "replay";
+/// Model every replayed request asks for.
+pub const MODEL: &str = "trace";
+/// Hash scheme of the trace's block ids.
+pub const HASH_SCHEME: &str = "vllm";
+
+/// Reason codes on which the gateway follows the first replica of the answer.
+const ROUTED_ON: [&str; 3] = ["PREFIX_MATCH", "TENANT_HOT", "AFFINITY_HINT"];
+
+/// Replica id of replica `i`: `10.0.0.1:8000`, `10.0.0.2:8000`, …
+pub fn replica_id(i: usize) -> String {
+    let n = i + 1;
+    format!("10.0.{}.{}:8000", n / 256, n % 256)
+}
+
+/// A lookup answer, reduced to what the gateway uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The reason code.
+    pub reason: String,
+    /// The first ranked replica, if any.
+    pub first: Option<String>,
+}
+
+/// Where the index lives: in this process or behind a server.
+pub trait Backend {
+    /// Simulated time moved to `now_ms` (the in-process clock follows it).
+    fn set_time(&mut self, now_ms: f64);
+    /// One ReportCacheState update.
+    fn ingest(&mut self, update: CacheUpdate) -> Result<(), ReplayError>;
+    /// PublishEvent calls, in any order.
+    fn publish(&mut self, events: Vec<CacheEvent>) -> Result<(), ReplayError>;
+    /// LookupRoute with a wire chain.
+    fn lookup(&mut self, hashes: &[Vec<u8>], token_counts: &[i32]) -> Result<Answer, ReplayError>;
+    /// Called after every stats report (the in-process index runs its TTL sweep).
+    fn housekeeping(&mut self, _now_ms: f64) {}
+    /// Called once after the last request.
+    fn finish(&mut self, _replica_ids: &[String]) -> Result<(), ReplayError> {
+        Ok(())
+    }
+}
+
+/// Routes through a [`Backend`] and feeds it what the replicas do.
+#[derive(Debug)]
+pub struct IndexRouter<B> {
+    backend: B,
+    ids: Vec<String>,
+    fallback: RoundRobin,
+    reasons: BTreeMap<String, u64>,
+    hashes: Vec<Vec<u8>>,
+    counts: Vec<i32>,
+}
+
+impl<B: Backend> IndexRouter<B> {
+    /// A router over `replicas` replicas.
+    pub fn new(backend: B, replicas: usize) -> Self {
+        Self {
+            backend,
+            ids: (0..replicas).map(replica_id).collect(),
+            fallback: RoundRobin::default(),
+            reasons: BTreeMap::new(),
+            hashes: Vec::new(),
+            counts: Vec::new(),
+        }
+    }
+
+    /// The backend, for inspection after a run.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn update(&self, replica: usize) -> CacheUpdate {
+        CacheUpdate {
+            replica_id: self.ids[replica].clone(),
+            tenant_id: TENANT.into(),
+            model_id: MODEL.into(),
+            hash_scheme: HASH_SCHEME.into(),
+            ..Default::default()
+        }
+    }
+
+    fn stats_update(&self, replica: usize, load: Load) -> CacheUpdate {
+        CacheUpdate {
+            stats: Some(ReplicaStatsReport {
+                replica_id: self.ids[replica].clone(),
+                hit_rate: load.hit_rate,
+                pressure: load.pressure,
+                requests_waiting: load.waiting,
+                requests_running: load.running,
+                kv_cache_usage: load.kv_usage,
+                ..Default::default()
+            }),
+            ..self.update(replica)
+        }
+    }
+
+    fn report_all(&mut self, replicas: &[Replica]) -> Result<(), ReplayError> {
+        for (i, replica) in replicas.iter().enumerate() {
+            let update = self.stats_update(i, replica.load());
+            self.backend.ingest(update)?;
+        }
+        Ok(())
+    }
+}
+
+/// Fills `out` with the 8-byte big-endian form of `blocks`, reusing its buffers.
+fn wire_hashes(blocks: &[u64], out: &mut Vec<Vec<u8>>) {
+    out.truncate(blocks.len());
+    for (slot, hash) in out.iter_mut().zip(blocks) {
+        slot.clear();
+        slot.extend_from_slice(&hash.to_be_bytes());
+    }
+    for hash in &blocks[out.len()..] {
+        out.push(hash.to_be_bytes().to_vec());
+    }
+}
+
+impl<B: Backend> Router for IndexRouter<B> {
+    fn start(&mut self, replicas: &[Replica]) -> Result<(), ReplayError> {
+        self.backend.set_time(0.0);
+        self.report_all(replicas)
+    }
+
+    fn report_stats(&mut self, now_ms: f64, replicas: &[Replica]) -> Result<(), ReplayError> {
+        self.backend.set_time(now_ms);
+        self.report_all(replicas)?;
+        self.backend.housekeeping(now_ms);
+        Ok(())
+    }
+
+    fn route(
+        &mut self,
+        context: &RouteContext<'_>,
+        request: &Request,
+    ) -> Result<usize, ReplayError> {
+        self.backend.set_time(context.now_ms);
+        wire_hashes(&request.blocks, &mut self.hashes);
+        self.counts.clear();
+        let n = request.blocks.len();
+        self.counts.extend((0..n).map(|i| {
+            if i + 1 == n {
+                (request.input_tokens - context.block_size * (n as u32 - 1)) as i32
+            } else {
+                context.block_size as i32
+            }
+        }));
+        let answer = self.backend.lookup(&self.hashes, &self.counts)?;
+        let pick = match &answer.first {
+            Some(first) if ROUTED_ON.contains(&answer.reason.as_str()) => {
+                self.ids.iter().position(|id| id == first)
+            }
+            _ => None,
+        };
+        *self.reasons.entry(answer.reason).or_default() += 1;
+        Ok(pick.unwrap_or_else(|| self.fallback.pick(self.ids.len())))
+    }
+
+    fn admitted(
+        &mut self,
+        context: &RouteContext<'_>,
+        replica: usize,
+        request: &Request,
+        stored: &[u64],
+        evicted: &[u64],
+    ) -> Result<(), ReplayError> {
+        if !stored.is_empty() {
+            let last = request.blocks.last().copied();
+            let last_tokens = request.input_tokens
+                - context.block_size * (request.blocks.len() as u32).saturating_sub(1);
+            let mut chain = Vec::new();
+            wire_hashes(stored, &mut chain);
+            let counts = stored
+                .iter()
+                .map(|&h| {
+                    if Some(h) == last {
+                        last_tokens as i32
+                    } else {
+                        context.block_size as i32
+                    }
+                })
+                .collect();
+            let update = CacheUpdate {
+                prefixes: vec![PrefixReport {
+                    block_hashes: chain,
+                    block_token_counts: counts,
+                    ..Default::default()
+                }],
+                ..self.update(replica)
+            };
+            self.backend.ingest(update)?;
+        }
+        if !evicted.is_empty() {
+            let events = evicted
+                .iter()
+                .map(|h| CacheEvent {
+                    kind: EventKind::PrefixEvicted,
+                    replica_id: self.ids[replica].clone(),
+                    tenant_id: TENANT.into(),
+                    model_id: MODEL.into(),
+                    prefix_hash: h.to_be_bytes().to_vec(),
+                    adapter_id: String::new(),
+                })
+                .collect();
+            self.backend.publish(events)?;
+        }
+        Ok(())
+    }
+
+    fn reasons(&self) -> Option<Vec<(String, u64)>> {
+        Some(self.reasons.iter().map(|(k, v)| (k.clone(), *v)).collect())
+    }
+
+    fn finish(&mut self) -> Result<(), ReplayError> {
+        self.backend.finish(&self.ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_ids_are_distinct_addresses() {
+        assert_eq!(replica_id(0), "10.0.0.1:8000");
+        assert_eq!(replica_id(6), "10.0.0.7:8000");
+        assert_eq!(replica_id(255), "10.0.1.0:8000");
+    }
+
+    #[test]
+    fn wire_hashes_reuse_buffers_and_are_big_endian() {
+        let mut out = Vec::new();
+        wire_hashes(&[1, 2, 3], &mut out);
+        wire_hashes(&[0x0102, 7], &mut out);
+        assert_eq!(
+            out,
+            [vec![0, 0, 0, 0, 0, 0, 1, 2], vec![0, 0, 0, 0, 0, 0, 0, 7]]
+        );
+    }
+}

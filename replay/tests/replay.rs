@@ -1,0 +1,346 @@
+//! Black-box tests of the replay: hit rates and TTFTs computed by hand on tiny
+//! traces, the in-process inference-cache rows, and the outputs.
+
+use inference_cache_index::{PolicySet, Reason};
+use inference_cache_replay::*;
+
+const BS: u32 = 4;
+
+fn request(arrival_ms: u64, blocks: &[u64]) -> Request {
+    Request {
+        arrival_ms,
+        // Every last block is partial: 3 of 4 tokens.
+        input_tokens: BS * blocks.len() as u32 - 1,
+        output_tokens: 2,
+        blocks: blocks.to_vec(),
+    }
+}
+
+/// First id `x` such that session B's head `[x, x+1]` hashes to another
+/// replica of 2 than session A's head `[1, 2]`.
+fn other_head() -> u64 {
+    let a = [1u64, 2];
+    let mut probe = [0u64; 2];
+    let target = {
+        let trace = Trace {
+            block_size: BS,
+            requests: vec![request(0, &a)],
+        };
+        session_hash_replica(&trace)
+    };
+    (10..)
+        .find(|&x| {
+            probe = [x, x + 1];
+            let trace = Trace {
+                block_size: BS,
+                requests: vec![request(0, &probe)],
+            };
+            session_hash_replica(&trace) != target
+        })
+        .expect("some head hashes elsewhere")
+}
+
+/// The replica session-hash sends the trace's only request to.
+fn session_hash_replica(trace: &Trace) -> usize {
+    let config = SimConfig::new(2, 4);
+    let result = simulate(
+        trace,
+        Policy::SessionHash,
+        &config,
+        &PolicySet::default(),
+        None,
+    )
+    .expect("replays");
+    result
+        .requests_per_replica
+        .per_replica
+        .iter()
+        .position(|&n| n == 1)
+        .expect("one replica served it")
+}
+
+/// Sessions A (1, 2, 3, 4) and B (b, b+1, b+2, b+3), one second apart, in the
+/// order A A B B A B; prompts grow by one block per turn.
+fn tiny_trace() -> Trace {
+    let b = other_head();
+    Trace {
+        block_size: BS,
+        requests: vec![
+            request(0, &[1, 2]),
+            request(1000, &[1, 2, 3]),
+            request(2000, &[b, b + 1]),
+            request(3000, &[b, b + 1, b + 2]),
+            request(4000, &[1, 2, 3, 4]),
+            request(5000, &[b, b + 1, b + 2, b + 3]),
+        ],
+    }
+}
+
+fn run(trace: &Trace, policies: &[Policy], config: &SimConfig) -> Vec<PolicyResult> {
+    replay_trace(trace, policies, config, &PolicySet::default()).expect("replays")
+}
+
+#[test]
+fn baselines_reproduce_hand_computed_hit_rates() {
+    let trace = tiny_trace();
+    let config = SimConfig::new(2, 4);
+    let results = run(
+        &trace,
+        &[
+            Policy::RoundRobin,
+            Policy::SessionHash,
+            Policy::PooledOracle,
+        ],
+        &config,
+    );
+    let [rr, hash, oracle] = &results[..] else {
+        panic!("three rows");
+    };
+    // 18 blocks, 66 tokens (each prompt is 4n - 1 tokens).
+    for r in &results {
+        assert_eq!((r.blocks, r.tokens, r.requests), (18, 66, 6));
+    }
+
+    // Round-robin: replica 0 gets requests 0, 2, 4; replica 1 gets 1, 3, 5.
+    // r0 [1,2] → R0 {1,2}. r1 [1,2,3] → R1 {1,2,3} (MRU first: 1,2,3).
+    // r2 [b,b+1] → R0 {b,b+1,1,2}, full. r3 [b..b+2] on R1 (LRU order
+    // 3, 2, 1 — a prompt's tail is freed first): b fills R1, b+1 evicts 3,
+    // b+2 evicts 2 → R1 {1,b,b+1,b+2}.
+    // r4 [1,2,3,4] on R0: hits 1, 2 (3 is on R1 only) = 2 blocks, 8 tokens.
+    // r5 [b..b+3] on R1: hits b, b+1, b+2 = 3 blocks, 12 tokens.
+    assert_eq!(rr.hit_blocks, 5);
+    assert_eq!(rr.hit_tokens, 20);
+    assert!((rr.block_hit_rate - 5.0 / 18.0).abs() < 1e-12);
+    assert!((rr.token_hit_rate - 20.0 / 66.0).abs() < 1e-12);
+    assert_eq!(rr.requests_per_replica.per_replica, [3, 3]);
+
+    // Session hash: A and B each keep one replica. Hits: r1 2, r3 2, r4 3, r5 3.
+    assert_eq!(hash.hit_blocks, 10);
+    assert_eq!(hash.hit_tokens, 8 + 8 + 12 + 12);
+    let mut spread = hash.requests_per_replica.per_replica.clone();
+    spread.sort_unstable();
+    assert_eq!(spread, [3, 3]);
+
+    // Pooled oracle: one cache of 8 blocks never evicts here, so every
+    // continuing turn hits its whole previous prompt: the same 10 blocks.
+    assert_eq!(oracle.hit_blocks, 10);
+    assert_eq!(oracle.cached_blocks, [8]);
+
+    assert_eq!(oracle.oracle_ratio, Some(1.0));
+    assert_eq!(hash.oracle_ratio, Some(1.0));
+    assert!((rr.oracle_ratio.expect("oracle ran") - 0.5).abs() < 1e-12);
+    // Spaced a second apart at 20k tokens/s, nobody queues: TTFT = uncached / 20 ms.
+    // Round-robin prefills 66 - 20 = 46 tokens in all.
+    let prefilled: u64 = rr.prefill_tokens_per_replica.per_replica.iter().sum();
+    assert_eq!(prefilled, 46);
+    assert!((rr.ttft_ms.mean - 46.0 / 20.0 / 6.0).abs() < 1e-9);
+}
+
+#[test]
+fn ttft_follows_the_fifo_prefill_model() {
+    let trace = Trace {
+        block_size: BS,
+        requests: vec![
+            // 11 uncached tokens at 1 token/ms: TTFT 11 ms.
+            request(0, &[1, 2, 3]),
+            // Arrives at 5 ms: hits 3 blocks (12 tokens), prefills 3 tokens
+            // after the first finishes at 11 ms: 6 ms wait + 3 ms = 9 ms.
+            request(5, &[1, 2, 3, 4]),
+            // Alone later: 3 tokens, 3 ms.
+            request(100, &[9]),
+        ],
+    };
+    let mut config = SimConfig::new(1, 16);
+    config.model.prefill_tps = 1000.0;
+    let results = run(&trace, &[Policy::RoundRobin, Policy::LeastLoaded], &config);
+    for r in &results {
+        assert_eq!(r.ttft_ms.mean, (11.0 + 9.0 + 3.0) / 3.0);
+        assert_eq!(
+            (r.ttft_ms.p50, r.ttft_ms.p99, r.ttft_ms.max),
+            (9.0, 11.0, 11.0)
+        );
+        assert_eq!(r.prefill_tokens_per_replica.per_replica, [11 + 3 + 3]);
+    }
+    // --speedup 2 halves the arrival times: the second request arrives at
+    // 2.5 ms and waits 8.5 ms before its 3 ms prefill.
+    config.speedup = 2.0;
+    let r = &run(&trace, &[Policy::RoundRobin], &config)[0];
+    assert_eq!(r.ttft_ms.max, 8.5 + 3.0);
+    assert_eq!(r.ttft_ms.mean, (11.0 + 11.5 + 3.0) / 3.0);
+}
+
+#[test]
+fn least_loaded_avoids_the_busy_replica() {
+    // Two long prompts at once, then a third: it goes to the replica that
+    // finishes first; round-robin would put it behind the first.
+    let trace = Trace {
+        block_size: BS,
+        requests: vec![
+            request(0, &[1, 2, 3, 4, 5, 6, 7, 8]),
+            request(0, &[20, 21]),
+            request(1, &[30]),
+        ],
+    };
+    let mut config = SimConfig::new(2, 64);
+    config.model.prefill_tps = 1000.0;
+    let results = run(&trace, &[Policy::RoundRobin, Policy::LeastLoaded], &config);
+    // Round-robin: the third request queues behind the 31-token prefill on R0.
+    assert_eq!(results[0].ttft_ms.max, 31.0 + 3.0 - 1.0);
+    // Least-loaded: behind the 7-token prefill on R1 instead.
+    assert_eq!(results[1].ttft_ms.max, 31.0);
+    assert_eq!(results[1].requests_per_replica.per_replica, [1, 2]);
+}
+
+#[test]
+fn inference_cache_rows_route_every_request_and_count_reasons() {
+    let trace = generate(&SyntheticConfig {
+        requests: 400,
+        sessions: 40,
+        seed: 11,
+        ..SyntheticConfig::default()
+    });
+    let config = SimConfig::new(4, 300);
+    let rows = [
+        Policy::InferenceCache,
+        Policy::InferenceCacheContract,
+        Policy::InferenceCacheCostAware,
+        Policy::PooledOracle,
+    ];
+    let results = run(&trace, &rows, &config);
+    let codes: Vec<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+    for r in &results[..3] {
+        assert_eq!(r.requests, 400, "{}", r.label);
+        assert_eq!(r.requests_per_replica.per_replica.iter().sum::<u64>(), 400);
+        let reasons = r.reasons.as_ref().expect("index rows count reasons");
+        assert_eq!(
+            reasons.iter().map(|s| s.count).sum::<u64>(),
+            400,
+            "{}",
+            r.label
+        );
+        assert!(
+            reasons.iter().all(|s| codes.contains(&s.code.as_str())),
+            "{reasons:?}"
+        );
+        let share: f64 = reasons.iter().map(|s| s.share).sum();
+        assert!((share - 1.0).abs() < 1e-9);
+        assert!(r.block_hit_rate > 0.0 && r.oracle_ratio.is_some());
+    }
+    assert!(results[3].reasons.is_none());
+}
+
+#[test]
+fn the_index_holds_exactly_what_the_replicas_hold() {
+    let trace = generate(&SyntheticConfig {
+        requests: 300,
+        sessions: 30,
+        seed: 4,
+        ..SyntheticConfig::default()
+    });
+    // Small caches, so replicas evict and the index must follow.
+    let config = SimConfig::new(3, 120);
+    for policy in [
+        Policy::InferenceCacheContract,
+        Policy::InferenceCacheCostAware,
+    ] {
+        let backend = InProcess::new(policies_for(policy, &PolicySet::default()));
+        let mut router = IndexRouter::new(backend, config.replicas);
+        let result = simulate_with(&trace, policy, &config, &mut router, None).expect("replays");
+        let held: u64 = result.cached_blocks.iter().sum();
+        assert!(held > 0);
+        assert_eq!(
+            router.backend().index().entry_count(),
+            held as i64,
+            "{policy}"
+        );
+    }
+}
+
+#[test]
+fn policy_file_is_applied_and_rows_override_the_ranker() {
+    let yaml = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+                metadata: { name: replay, namespace: replay }\n\
+                spec: { affinityRouting: Disabled, strategy: { enableTenantHot: false } }\n";
+    let set = PolicySet::from_yaml(yaml).expect("valid policy");
+    let forced = policies_for(Policy::InferenceCacheCostAware, &set);
+    let tenant = forced.for_tenant(TENANT);
+    assert_eq!(tenant.ranker, inference_cache_index::Ranker::CostAware);
+    assert!(!tenant.affinity_routing, "the file's other fields stay");
+    // With affinity off, a cold index gives NO_HINT for every first turn; the
+    // gateway then round-robins, and the row still routes everything.
+    let trace = tiny_trace();
+    let r = &replay_trace(
+        &trace,
+        &[Policy::InferenceCache],
+        &SimConfig::new(2, 4),
+        &set,
+    )
+    .expect("replays")[0];
+    let reasons = r.reasons.as_ref().expect("counted");
+    assert!(
+        reasons.iter().all(|s| s.code != "AFFINITY_HINT"),
+        "{reasons:?}"
+    );
+    assert_eq!(reasons.iter().map(|s| s.count).sum::<u64>(), 6);
+}
+
+#[test]
+fn outputs_are_well_formed() {
+    let trace = tiny_trace();
+    let policies = [
+        Policy::InferenceCache,
+        Policy::RoundRobin,
+        Policy::Random,
+        Policy::SessionHash,
+        Policy::PooledOracle,
+    ];
+    let results = run(&trace, &policies, &SimConfig::new(2, 4));
+    let svg = render_svg("tiny <trace> & co", &results);
+    assert!(svg.starts_with("<svg"));
+    assert!(svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("class=\"bar hit\"").count(), policies.len());
+    assert_eq!(svg.matches("class=\"bar ttft\"").count(), policies.len());
+    assert!(svg.contains("tiny &lt;trace&gt; &amp; co"));
+    assert_eq!(svg.matches("<svg").count(), svg.matches("</svg>").count());
+
+    let info = RunInfo {
+        source: "tiny".into(),
+        requests: 6,
+        blocks: 18,
+        block_size: BS,
+        replicas: 2,
+        capacity_blocks: 4,
+        prefill_tps: 20_000.0,
+        tpot_ms: 20.0,
+        speedup: 1.0,
+        stats_interval_ms: 500.0,
+        index: "in-process".into(),
+    };
+    let table = render_table(&info, &results);
+    for p in policies {
+        assert!(table.contains(p.label()), "{table}");
+    }
+    assert!(table.contains("reason codes"));
+    let json: serde_json::Value =
+        serde_json::from_str(&render_json(&info, &results)).expect("valid JSON");
+    let rows = json["results"].as_array().expect("results array");
+    assert_eq!(rows.len(), policies.len());
+    assert_eq!(rows[1]["policy"], "round-robin");
+    assert_eq!(rows[4]["oracle_ratio"], 1.0);
+}
+
+#[test]
+fn random_policy_is_seeded() {
+    let trace = generate(&SyntheticConfig {
+        requests: 200,
+        sessions: 20,
+        ..SyntheticConfig::default()
+    });
+    let mut config = SimConfig::new(4, 100);
+    let a = run(&trace, &[Policy::Random], &config);
+    let b = run(&trace, &[Policy::Random], &config);
+    config.seed = 2;
+    let c = run(&trace, &[Policy::Random], &config);
+    assert_eq!(a[0].requests_per_replica, b[0].requests_per_replica);
+    assert_ne!(a[0].requests_per_replica, c[0].requests_per_replica);
+}
