@@ -205,6 +205,18 @@ impl Host for EnvoyHost {
         let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
     }
 
+    fn remove_response_header(&mut self, name: &str) {
+        let _ = hostcalls::remove_map_value(MapType::HttpResponseHeaders, name);
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
+
+    fn set_property(&mut self, path: &[&str], value: &[u8]) {
+        let _ = hostcalls::set_property(path.to_vec(), Some(value));
+    }
+
     fn increment_counter(&mut self, name: &'static str) {
         let id = self.metrics.borrow().get(name).copied();
         if let Some(id) = id {

@@ -66,6 +66,59 @@ pub struct ModelTarget {
     pub adapter_id: String,
 }
 
+/// Where a request's tenant id comes from (`tenant`, or the older `tenant_header`).
+///
+/// Only a source the gateway controls is trustworthy: route metadata, dynamic
+/// metadata or filter state written by an earlier filter (an authn filter),
+/// or a header that such a filter overwrites and that the edge strips from
+/// client requests. A header a client may send as it likes lets any client
+/// claim any tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantSource {
+    /// Always `tenant_id`.
+    Fixed,
+    /// A request header (lower-case).
+    Header(String),
+    /// `filter_metadata[namespace]` of the matched route, then `path`.
+    RouteMetadata {
+        /// Metadata namespace (`filter_metadata` key).
+        namespace: String,
+        /// Keys into the namespace's struct; the value must be a string.
+        path: Vec<String>,
+    },
+    /// The request's dynamic metadata `namespace`, then `path`.
+    DynamicMetadata {
+        /// Metadata namespace (for example `envoy.filters.http.jwt_authn`).
+        namespace: String,
+        /// Keys into the namespace's struct; the value must be a string.
+        path: Vec<String>,
+    },
+    /// A filter-state object by name, as a string.
+    FilterState(String),
+}
+
+impl TenantSource {
+    /// The host property path this source reads, if it reads one.
+    pub fn property_path(&self) -> Option<Vec<&str>> {
+        let (root, namespace, path): (&[&str], &str, &[String]) = match self {
+            TenantSource::Fixed | TenantSource::Header(_) => return None,
+            TenantSource::FilterState(key) => return Some(vec!["filter_state", key.as_str()]),
+            TenantSource::RouteMetadata { namespace, path } => (
+                &["xds", "route_metadata", "filter_metadata"],
+                namespace,
+                path,
+            ),
+            TenantSource::DynamicMetadata { namespace, path } => {
+                (&["metadata", "filter_metadata"], namespace, path)
+            }
+        };
+        let mut full = root.to_vec();
+        full.push(namespace);
+        full.extend(path.iter().map(String::as_str));
+        Some(full)
+    }
+}
+
 /// Validated filter settings, shared read-only by every request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -79,18 +132,23 @@ pub struct Settings {
     pub grpc_upstream: String,
     /// LookupRoute budget; Envoy cancels the call after it.
     pub timeout: Duration,
-    /// Request header carrying the tenant id (lower-case), if any.
-    pub tenant_header: Option<String>,
-    /// Fixed tenant id, or the fallback when `tenant_header` is absent from a request.
+    /// Where the tenant id comes from.
+    pub tenant: TenantSource,
+    /// Fixed tenant id, or the fallback when the source yields nothing.
     pub tenant_id: String,
     /// `LookupRouteRequest.hash_scheme`.
     pub hash_scheme: String,
     /// Tokens per KV block, for fingerprinting token-id prompts.
     pub block_size: usize,
-    /// Header the `ORIGINAL_DST` cluster routes on (lower-case).
+    /// Header the pool cluster's `override_host` load-balancing policy reads (lower-case).
     pub destination_header: String,
-    /// Header added to responses with the outcome; `None` disables it.
+    /// Header reporting the outcome; `None` disables it.
     pub reason_header: Option<String>,
+    /// Whether clients see `reason_header`. Off by default: the reason tells
+    /// a client whether a prompt is cached, so it is removed from every
+    /// response and reported to operators through counters and the
+    /// `inferencecache_reason` filter state instead.
+    pub expose_reason_header: bool,
     /// Replica id → `ip:port`.
     pub replica_endpoints: HashMap<String, String>,
     /// Replica ids not in `replica_endpoints` are used as the endpoint when they are `ip:port`.
@@ -111,12 +169,13 @@ impl Settings {
             grpc_authority: None,
             grpc_upstream: grpc_cluster.to_owned(),
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
-            tenant_header: None,
+            tenant: TenantSource::Fixed,
             tenant_id: String::new(),
             hash_scheme: DEFAULT_HASH_SCHEME.to_owned(),
             block_size: DEFAULT_BLOCK_SIZE,
             destination_header: DEFAULT_DESTINATION_HEADER.to_owned(),
             reason_header: Some(DEFAULT_REASON_HEADER.to_owned()),
+            expose_reason_header: false,
             replica_endpoints: HashMap::new(),
             replica_id_is_endpoint: false,
             models: HashMap::new(),
@@ -139,6 +198,20 @@ impl Settings {
             return Err(ConfigError::new("grpc_cluster", "is required"));
         };
         let cluster = non_empty_string("grpc_cluster", cluster)?;
+        if let Some(tenant) = object.get("tenant") {
+            if object.contains_key("tenant_header") {
+                return Err(ConfigError::new(
+                    "tenant_header",
+                    "cannot be combined with `tenant`; use `tenant: {\"header\": ...}`",
+                ));
+            }
+            if tenant.get("fixed").is_some() && object.contains_key("tenant_id") {
+                return Err(ConfigError::new(
+                    "tenant_id",
+                    "cannot be combined with `tenant: {\"fixed\": ...}`",
+                ));
+            }
+        }
         let mut settings = Self::with_cluster(&cluster);
         for (key, value) in &object {
             settings.apply(key, value)?;
@@ -155,9 +228,14 @@ impl Settings {
                 "is empty and `replica_id_is_endpoint` is false, so no hint could ever be routed",
             ));
         }
-        if settings.tenant_header.as_deref() == Some(settings.destination_header.as_str()) {
+        if settings.tenant == TenantSource::Header(settings.destination_header.clone()) {
+            let field = if object.contains_key("tenant") {
+                "tenant.header"
+            } else {
+                "tenant_header"
+            };
             return Err(ConfigError::new(
-                "tenant_header",
+                field,
                 "must differ from `destination_header`",
             ));
         }
@@ -172,7 +250,14 @@ impl Settings {
                 let millis = integer_in(key, value, 1, MAX_TIMEOUT_MS)?;
                 self.timeout = Duration::from_millis(millis);
             }
-            "tenant_header" => self.tenant_header = Some(header_name(key, value)?),
+            "tenant_header" => self.tenant = TenantSource::Header(header_name(key, value)?),
+            "tenant" => {
+                let (source, fixed) = tenant_source(key, value)?;
+                self.tenant = source;
+                if let Some(tenant) = fixed {
+                    self.tenant_id = tenant;
+                }
+            }
             "tenant_id" => self.tenant_id = string(key, value)?,
             "hash_scheme" => self.hash_scheme = non_empty_string(key, value)?,
             "block_size" => {
@@ -188,6 +273,11 @@ impl Settings {
                 } else {
                     Some(header_name(key, value)?)
                 };
+            }
+            "expose_reason_header" => {
+                self.expose_reason_header = value
+                    .as_bool()
+                    .ok_or_else(|| ConfigError::new(key, "must be true or false"))?;
             }
             "replica_endpoints" => self.replica_endpoints = endpoints(key, value)?,
             "replica_id_is_endpoint" => {
@@ -308,6 +398,78 @@ fn header_name(field: &str, value: &Value) -> Result<String, ConfigError> {
     Ok(name)
 }
 
+/// `{"header": name}`, `{"route_metadata": {"namespace", "path"}}`,
+/// `{"dynamic_metadata": {"namespace", "path"}}`, `{"filter_state": key}` or
+/// `{"fixed": tenant}`; the fixed form also returns the tenant id.
+fn tenant_source(
+    field: &str,
+    value: &Value,
+) -> Result<(TenantSource, Option<String>), ConfigError> {
+    let fields = object(field, value)?;
+    let mut entries = fields.iter();
+    let (Some((kind, inner)), None) = (entries.next(), entries.next()) else {
+        return Err(ConfigError::new(
+            field,
+            "must name exactly one source: header, route_metadata, dynamic_metadata, filter_state or fixed",
+        ));
+    };
+    let path = format!("{field}.{kind}");
+    match kind.as_str() {
+        "header" => Ok((TenantSource::Header(header_name(&path, inner)?), None)),
+        "filter_state" => Ok((
+            TenantSource::FilterState(non_empty_string(&path, inner)?),
+            None,
+        )),
+        "fixed" => Ok((TenantSource::Fixed, Some(non_empty_string(&path, inner)?))),
+        "route_metadata" | "dynamic_metadata" => {
+            let (namespace, keys) = metadata_key(&path, inner)?;
+            let source = if kind == "route_metadata" {
+                TenantSource::RouteMetadata {
+                    namespace,
+                    path: keys,
+                }
+            } else {
+                TenantSource::DynamicMetadata {
+                    namespace,
+                    path: keys,
+                }
+            };
+            Ok((source, None))
+        }
+        _ => Err(ConfigError::new(path, "unknown tenant source")),
+    }
+}
+
+/// `{"namespace": "...", "path": ["key", ...]}`, `path` non-empty.
+fn metadata_key(field: &str, value: &Value) -> Result<(String, Vec<String>), ConfigError> {
+    let mut namespace = None;
+    let mut keys = Vec::new();
+    for (key, value) in object(field, value)? {
+        let path = format!("{field}.{key}");
+        match key.as_str() {
+            "namespace" => namespace = Some(non_empty_string(&path, value)?),
+            "path" => {
+                let items = value
+                    .as_array()
+                    .ok_or_else(|| ConfigError::new(&path, "must be an array of keys"))?;
+                for (index, item) in items.iter().enumerate() {
+                    keys.push(non_empty_string(&format!("{path}[{index}]"), item)?);
+                }
+            }
+            _ => return Err(ConfigError::new(path, "unknown field")),
+        }
+    }
+    let namespace =
+        namespace.ok_or_else(|| ConfigError::new(format!("{field}.namespace"), "is required"))?;
+    if keys.is_empty() {
+        return Err(ConfigError::new(
+            format!("{field}.path"),
+            "must name at least one key",
+        ));
+    }
+    Ok((namespace, keys))
+}
+
 fn object<'a>(field: &str, value: &'a Value) -> Result<&'a Map<String, Value>, ConfigError> {
     value
         .as_object()
@@ -322,7 +484,7 @@ fn endpoints(field: &str, value: &Value) -> Result<HashMap<String, String>, Conf
         if endpoint.parse::<SocketAddr>().is_err() {
             return Err(ConfigError::new(
                 path,
-                "must be a literal ip:port (an ORIGINAL_DST cluster does not resolve names)",
+                "must be a literal ip:port (the address of the replica in the pool cluster)",
             ));
         }
         map.insert(replica.clone(), endpoint);
@@ -408,8 +570,9 @@ mod tests {
         assert_eq!(settings.max_body_bytes, 1 << 20);
         assert_eq!(settings.routable_reasons.len(), 3);
         assert!(settings.routable_reasons.contains("AFFINITY_HINT"));
-        assert_eq!(settings.tenant_header, None);
+        assert_eq!(settings.tenant, TenantSource::Fixed);
         assert_eq!(settings.tenant_id, "");
+        assert!(!settings.expose_reason_header);
     }
 
     #[test]
@@ -434,7 +597,7 @@ mod tests {
             }"#,
         )
         .expect("valid config");
-        assert_eq!(settings.tenant_header.as_deref(), Some("x-tenant-id"));
+        assert_eq!(settings.tenant, TenantSource::Header("x-tenant-id".into()));
         assert_eq!(settings.reason_header, None);
         assert_eq!(settings.block_size, 32);
         assert_eq!(settings.endpoint_of("b").as_deref(), Some("[::1]:9000"));
@@ -585,5 +748,113 @@ mod tests {
             parse(r#"{"grpc_cluster":"ic","grpc_authority":"","replica_id_is_endpoint":true}"#)
                 .err();
         assert_eq!(error.map(|e| e.field), Some("grpc_authority".to_owned()));
+    }
+
+    #[test]
+    fn tenant_sources_parse() {
+        let base = r#""grpc_cluster":"ic","replica_id_is_endpoint":true"#;
+        let parse_tenant = |tenant: &str| {
+            parse(&format!("{{{base},{tenant}}}"))
+                .map(|settings| (settings.tenant, settings.tenant_id))
+        };
+        assert_eq!(
+            parse_tenant(
+                r#""tenant":{"route_metadata":{"namespace":"inference_cache","path":["tenant"]}},
+                   "tenant_id":"default""#
+            ),
+            Ok((
+                TenantSource::RouteMetadata {
+                    namespace: "inference_cache".into(),
+                    path: vec!["tenant".into()]
+                },
+                "default".into()
+            ))
+        );
+        assert_eq!(
+            parse_tenant(
+                r#""tenant":{"dynamic_metadata":{"namespace":"envoy.filters.http.jwt_authn","path":["p","tenant"]}}"#
+            )
+            .map(|(source, _)| source.property_path().map(|path| path.join("/"))),
+            Ok(Some(
+                "metadata/filter_metadata/envoy.filters.http.jwt_authn/p/tenant".into()
+            ))
+        );
+        assert_eq!(
+            parse_tenant(r#""tenant":{"header":"X-Tenant"}"#),
+            Ok((TenantSource::Header("x-tenant".into()), String::new()))
+        );
+        assert_eq!(
+            parse_tenant(r#""tenant":{"fixed":"team-a"}"#),
+            Ok((TenantSource::Fixed, "team-a".into()))
+        );
+        assert_eq!(
+            parse_tenant(r#""tenant":{"filter_state":"io.tenant"}"#),
+            Ok((TenantSource::FilterState("io.tenant".into()), String::new()))
+        );
+        assert_eq!(
+            TenantSource::RouteMetadata {
+                namespace: "ns".into(),
+                path: vec!["a".into(), "b".into()]
+            }
+            .property_path(),
+            Some(vec![
+                "xds",
+                "route_metadata",
+                "filter_metadata",
+                "ns",
+                "a",
+                "b"
+            ])
+        );
+    }
+
+    #[test]
+    fn bad_tenant_sources_name_the_field() {
+        let base = r#""grpc_cluster":"ic","replica_id_is_endpoint":true"#;
+        for (extra, field) in [
+            (r#""tenant":"x-tenant""#, "tenant"),
+            (r#""tenant":{}"#, "tenant"),
+            (r#""tenant":{"header":"a","fixed":"b"}"#, "tenant"),
+            (r#""tenant":{"cookie":"a"}"#, "tenant.cookie"),
+            (r#""tenant":{"header":"bad header"}"#, "tenant.header"),
+            (r#""tenant":{"fixed":""}"#, "tenant.fixed"),
+            (
+                r#""tenant":{"route_metadata":{"path":["t"]}}"#,
+                "tenant.route_metadata.namespace",
+            ),
+            (
+                r#""tenant":{"route_metadata":{"namespace":"n","path":[]}}"#,
+                "tenant.route_metadata.path",
+            ),
+            (
+                r#""tenant":{"dynamic_metadata":{"namespace":"n","path":[""]}}"#,
+                "tenant.dynamic_metadata.path[0]",
+            ),
+            (
+                r#""tenant":{"dynamic_metadata":{"namespace":"n","key":"t"}}"#,
+                "tenant.dynamic_metadata.key",
+            ),
+            (
+                r#""tenant":{"header":"x-gateway-destination-endpoint"}"#,
+                "tenant.header",
+            ),
+            (
+                r#""tenant":{"header":"x-t"},"tenant_header":"x-t""#,
+                "tenant_header",
+            ),
+            (r#""tenant":{"fixed":"a"},"tenant_id":"b""#, "tenant_id"),
+            (r#""expose_reason_header":"yes""#, "expose_reason_header"),
+        ] {
+            assert_eq!(field_of(&format!("{{{base},{extra}}}")), field, "{extra}");
+        }
+    }
+
+    #[test]
+    fn reason_header_is_hidden_unless_exposed() {
+        let settings = parse(
+            r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true,"expose_reason_header":true}"#,
+        )
+        .expect("valid config");
+        assert!(settings.expose_reason_header);
     }
 }

@@ -10,7 +10,7 @@
 //! awaiting lookup ──(gRPC status ≠ 0, decode error, no endpoint)─▶ resume untouched
 //!    │ routable reason → set destination header
 //!    ▼
-//! resume ──▶ response headers: add the reason header
+//! resume ──▶ response headers: remove any reason header; add ours only when exposed
 //! ```
 //!
 //! The adapter maps [`Action`] onto proxy-wasm's and forwards callbacks; the
@@ -23,7 +23,7 @@ use std::time::Duration;
 use inference_cache_proto::v1alpha1::LookupRouteResponse;
 use prost::Message;
 
-use crate::config::Settings;
+use crate::config::{Settings, TenantSource};
 use crate::outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, decide,
     reason_metric,
@@ -34,6 +34,10 @@ use crate::request::{Api, BodyError, classify, lookup_request, parse_body};
 pub const LOOKUP_SERVICE: &str = inference_cache_proto::SERVICE_NAME;
 /// gRPC method of the lookup.
 pub const LOOKUP_METHOD: &str = "LookupRoute";
+/// Property the outcome is stored under; Envoy keeps it as the filter state
+/// `wasm.inferencecache_reason` (`%FILTER_STATE(wasm.inferencecache_reason:PLAIN)%`
+/// in an access log).
+pub const REASON_PROPERTY: &str = "inferencecache_reason";
 
 /// What the host should do with the stream after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +90,13 @@ pub trait Host {
     fn resume_request(&mut self);
     /// Adds a response header.
     fn add_response_header(&mut self, name: &str, value: &str);
+    /// Removes every value of a response header.
+    fn remove_response_header(&mut self, name: &str);
+    /// A host property (route or dynamic metadata, filter state) as raw
+    /// bytes, or `None` when absent.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+    /// Stores a value in the request's filter state (readable by access logs).
+    fn set_property(&mut self, path: &[&str], value: &[u8]);
     /// Adds one to a counter from [`crate::all_metrics`].
     fn increment_counter(&mut self, name: &'static str);
     /// Writes a log line.
@@ -255,14 +266,24 @@ impl RequestFlow {
             Outcome::Failed(kind) => host.increment_counter(kind.metric()),
             Outcome::NotRouted { .. } => {}
         }
-        self.outcome = Some(outcome);
+        self.record(host, outcome);
         host.resume_request();
     }
 
     /// Response headers arrived: report the outcome of an inference request.
+    ///
+    /// The reason header leaves the gateway only when `expose_reason_header`
+    /// is set; otherwise any copy of it (from an upstream, say) is removed,
+    /// because it tells a client whether a prompt is cached. The outcome is
+    /// always stored as the filter state [`REASON_PROPERTY`] for access logs.
     pub fn on_response_headers(&mut self, host: &mut dyn Host) -> Action {
-        if let (Some(name), Some(outcome)) = (&self.settings.reason_header, &self.outcome) {
-            host.add_response_header(name, outcome.header_value());
+        if let Some(name) = &self.settings.reason_header {
+            host.remove_response_header(name);
+            if self.settings.expose_reason_header
+                && let Some(outcome) = &self.outcome
+            {
+                host.add_response_header(name, outcome.header_value());
+            }
         }
         Action::Continue
     }
@@ -270,17 +291,24 @@ impl RequestFlow {
     fn fail(&mut self, host: &mut dyn Host, kind: FailureKind) {
         host.increment_counter(kind.metric());
         self.state = State::Idle;
-        self.outcome = Some(Outcome::Failed(kind));
+        self.record(host, Outcome::Failed(kind));
+    }
+
+    fn record(&mut self, host: &mut dyn Host, outcome: Outcome) {
+        host.set_property(&[REASON_PROPERTY], outcome.header_value().as_bytes());
+        self.outcome = Some(outcome);
     }
 
     fn tenant(&self, host: &dyn Host) -> String {
-        if let Some(name) = &self.settings.tenant_header
-            && let Some(value) = host.request_header(name)
-            && !value.is_empty()
-        {
-            return String::from_utf8_lossy(&value).into_owned();
+        let value = match &self.settings.tenant {
+            TenantSource::Fixed => None,
+            TenantSource::Header(name) => host.request_header(name),
+            source => source.property_path().and_then(|path| host.property(&path)),
+        };
+        match value {
+            Some(value) if !value.is_empty() => String::from_utf8_lossy(&value).into_owned(),
+            _ => self.settings.tenant_id.clone(),
         }
-        self.settings.tenant_id.clone()
     }
 }
 

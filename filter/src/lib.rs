@@ -5,9 +5,11 @@
 //! fingerprinted here; a string prompt goes as `raw_prompt`, a conversation
 //! as `messages`), calls `LookupRoute` through Envoy with a short timeout, and
 //! on a routable hint sets the destination header (default
-//! `x-gateway-destination-endpoint`) that an `ORIGINAL_DST` cluster routes on.
-//! Every other outcome leaves the request as it was: the cache plane never
-//! fails a request.
+//! `x-gateway-destination-endpoint`) that the pool cluster's `override_host`
+//! load-balancing policy reads: Envoy uses that endpoint only when it is a
+//! member of the pool, and its normal load balancing otherwise. Every other
+//! outcome leaves the request as it was: the cache plane never fails a
+//! request.
 //!
 //! The crate has two layers:
 //!
@@ -48,9 +50,12 @@ mod adapter;
 pub use config::{
     ConfigError, DEFAULT_BLOCK_SIZE, DEFAULT_DESTINATION_HEADER, DEFAULT_HASH_SCHEME,
     DEFAULT_MAX_BODY_BYTES, DEFAULT_REASON_HEADER, DEFAULT_ROUTABLE_REASONS, DEFAULT_TIMEOUT_MS,
-    ModelTarget, Settings,
+    ModelTarget, Settings, TenantSource,
 };
-pub use flow::{Action, DispatchError, Host, LOOKUP_METHOD, LOOKUP_SERVICE, LogLevel, RequestFlow};
+pub use flow::{
+    Action, DispatchError, Host, LOOKUP_METHOD, LOOKUP_SERVICE, LogLevel, REASON_PROPERTY,
+    RequestFlow,
+};
 pub use outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, all_metrics,
     decide, reason_metric,

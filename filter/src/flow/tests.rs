@@ -17,6 +17,9 @@ struct FakeHost {
     resumed: u32,
     counters: HashMap<&'static str, u64>,
     logs: std::cell::RefCell<Vec<String>>,
+    properties: HashMap<String, Vec<u8>>,
+    /// Paths read with `property`, joined with '.'.
+    property_reads: std::cell::RefCell<Vec<String>>,
 }
 
 impl FakeHost {
@@ -92,6 +95,17 @@ impl Host for FakeHost {
     fn add_response_header(&mut self, name: &str, value: &str) {
         self.response_headers.push((name.into(), value.into()));
     }
+    fn remove_response_header(&mut self, name: &str) {
+        self.response_headers.retain(|(key, _)| key != name);
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        let key = path.join(".");
+        self.property_reads.borrow_mut().push(key.clone());
+        self.properties.get(&key).cloned()
+    }
+    fn set_property(&mut self, path: &[&str], value: &[u8]) {
+        self.properties.insert(path.join("."), value.to_vec());
+    }
     fn increment_counter(&mut self, name: &'static str) {
         *self.counters.entry(name).or_default() += 1;
     }
@@ -106,8 +120,9 @@ fn settings() -> Rc<Settings> {
     settings
         .replica_endpoints
         .insert("replica-a".into(), "10.0.0.1:8000".into());
-    settings.tenant_header = Some("x-tenant".into());
+    settings.tenant = TenantSource::Header("x-tenant".into());
     settings.tenant_id = "fallback".into();
+    settings.expose_reason_header = true;
     Rc::new(settings)
 }
 
@@ -365,4 +380,137 @@ fn trailers_end_the_body() {
     assert_eq!(flow.on_request_body(&mut host, size, false), Action::Pause);
     assert_eq!(flow.on_request_trailers(&mut host, size), Action::Pause);
     assert_eq!(host.calls.len(), 1);
+}
+
+#[test]
+fn reason_header_is_removed_unless_exposed() {
+    let mut hidden = (*settings()).clone();
+    hidden.expose_reason_header = false;
+    let hidden = Rc::new(hidden);
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(hidden.clone());
+    send(&mut flow, &mut host);
+    respond(&mut flow, &mut host, "PREFIX_MATCH", &["replica-a"]);
+    // An upstream that sets the header itself does not leak it either.
+    host.response_headers
+        .push(("x-inferencecache-reason".into(), "TENANT_HOT".into()));
+    flow.on_response_headers(&mut host);
+    assert!(
+        host.response_headers.is_empty(),
+        "{:?}",
+        host.response_headers
+    );
+    // Operators still get the outcome: counters and the filter state.
+    assert_eq!(host.counter("inferencecache_filter.reason.PREFIX_MATCH"), 1);
+    assert_eq!(
+        host.properties.get(REASON_PROPERTY).map(Vec::as_slice),
+        Some(&b"PREFIX_MATCH"[..])
+    );
+
+    // Not an inference request: an upstream's copy is removed as well.
+    let mut host = FakeHost::request("GET", "/v1/models", b"");
+    let mut flow = RequestFlow::new(hidden);
+    flow.on_request_headers(&mut host, true);
+    host.response_headers
+        .push(("x-inferencecache-reason".into(), "PREFIX_MATCH".into()));
+    flow.on_response_headers(&mut host);
+    assert!(host.response_headers.is_empty());
+}
+
+#[test]
+fn exposed_reason_header_replaces_an_upstream_copy() {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    respond(&mut flow, &mut host, "NO_HINT", &[]);
+    host.response_headers
+        .push(("x-inferencecache-reason".into(), "PREFIX_MATCH".into()));
+    flow.on_response_headers(&mut host);
+    assert_eq!(
+        host.response_headers,
+        vec![("x-inferencecache-reason".into(), "NO_HINT".into())]
+    );
+}
+
+#[test]
+fn failures_are_recorded_in_the_filter_state() {
+    let mut host = FakeHost::request("POST", "/v1/completions", b"{nope");
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    assert_eq!(
+        host.properties.get(REASON_PROPERTY).map(Vec::as_slice),
+        Some(&b"INVALID_JSON"[..])
+    );
+}
+
+fn with_tenant(source: TenantSource) -> Rc<Settings> {
+    let mut settings = (*settings()).clone();
+    settings.tenant = source;
+    Rc::new(settings)
+}
+
+#[test]
+fn tenant_comes_from_route_metadata_not_a_client_header() {
+    let settings = with_tenant(TenantSource::RouteMetadata {
+        namespace: "inference_cache".into(),
+        path: vec!["tenant".into()],
+    });
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.request_headers
+        .push(("x-tenant".into(), "intruder".into()));
+    host.properties.insert(
+        "xds.route_metadata.filter_metadata.inference_cache.tenant".into(),
+        b"team-a".to_vec(),
+    );
+    let mut flow = RequestFlow::new(settings.clone());
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "team-a");
+
+    // No metadata on the route: the fixed fallback, never the header.
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.request_headers
+        .push(("x-tenant".into(), "intruder".into()));
+    let mut flow = RequestFlow::new(settings);
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "fallback");
+}
+
+#[test]
+fn tenant_from_dynamic_metadata_and_filter_state() {
+    let settings = with_tenant(TenantSource::DynamicMetadata {
+        namespace: "envoy.filters.http.jwt_authn".into(),
+        path: vec!["payload".into(), "tenant".into()],
+    });
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.properties.insert(
+        "metadata.filter_metadata.envoy.filters.http.jwt_authn.payload.tenant".into(),
+        b"team-b".to_vec(),
+    );
+    let mut flow = RequestFlow::new(settings);
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "team-b");
+
+    let settings = with_tenant(TenantSource::FilterState("tenant.id".into()));
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.properties
+        .insert("filter_state.tenant.id".into(), b"team-c".to_vec());
+    let mut flow = RequestFlow::new(settings);
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "team-c");
+    assert_eq!(
+        host.property_reads.borrow().as_slice(),
+        ["filter_state.tenant.id"]
+    );
+}
+
+#[test]
+fn fixed_tenant_reads_nothing_from_the_request() {
+    let settings = with_tenant(TenantSource::Fixed);
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.request_headers
+        .push(("x-tenant".into(), "intruder".into()));
+    let mut flow = RequestFlow::new(settings);
+    send(&mut flow, &mut host);
+    assert_eq!(host.sent_request().tenant_id, "fallback");
+    assert!(host.property_reads.borrow().is_empty());
 }
