@@ -23,6 +23,7 @@
 //! the output and the per-call context.
 
 use crate::clock::Clock;
+use crate::conversation::ContentFormat;
 use crate::pyjson::{self, DumpOptions};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind, syntax::SyntaxConfig};
@@ -30,12 +31,17 @@ use std::sync::Arc;
 
 /// Name of the template inside its environment.
 const TEMPLATE_NAME: &str = "chat";
+/// Instructions one render may execute: far above any real conversation
+/// (a few hundred per message), low enough that a hostile template or input
+/// stops in milliseconds instead of running unbounded.
+pub(crate) const CHAT_TEMPLATE_FUEL: u64 = 5_000_000;
 /// Filter the `for` rewrite inserts; the prefix keeps it out of template namespaces.
 const ITERABLE_FILTER: &str = "__inference_cache_iterable";
 
 /// One compiled chat template with the globals of its model.
 pub(crate) struct ChatTemplate {
     env: Environment<'static>,
+    content_format: ContentFormat,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -52,6 +58,7 @@ impl ChatTemplate {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, Error> {
         let mut env = Environment::new();
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
         env.set_syntax(
             SyntaxConfig::builder()
                 .trim_blocks(true)
@@ -72,11 +79,32 @@ impl ChatTemplate {
             env.add_global(name, value);
         }
         env.add_template_owned(TEMPLATE_NAME, rewrite_source(source))?;
-        Ok(Self { env })
+        Ok(Self {
+            env,
+            content_format: detect_content_format(source),
+        })
+    }
+
+    /// Whether the template reads message content as a string or as parts.
+    pub(crate) fn content_format(&self) -> ContentFormat {
+        self.content_format
+    }
+
+    /// Renders with a full context (`messages`, `tools`, `documents`,
+    /// `add_generation_prompt` and any template keyword arguments); context
+    /// variables shadow the special-token globals, as `apply_chat_template`'s
+    /// kwargs override the special tokens map.
+    pub(crate) fn render_context(
+        &self,
+        context: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, Error> {
+        let template = self.env.get_template(TEMPLATE_NAME)?;
+        template.render(Value::from(minijinja::value::Serde(context)))
     }
 
     /// Renders with `messages` and `add_generation_prompt`, `tools` and
     /// `documents` set to `none` as `apply_chat_template` passes them.
+    #[cfg(test)]
     pub(crate) fn render(
         &self,
         messages: Value,
@@ -148,6 +176,16 @@ fn py_strip<'a>(text: &'a str, chars: Option<&str>, left: bool, right: bool) -> 
     } else {
         text
     }
+}
+
+/// Python's `str.strip()`.
+pub(crate) fn py_strip_str(text: &str) -> &str {
+    py_strip(text, None, true, true)
+}
+
+/// Python's `str.rstrip()`.
+pub(crate) fn py_rstrip_str(text: &str) -> &str {
+    py_strip(text, None, false, true)
 }
 
 /// `raise_exception(message)`: aborts rendering with the template's message.
@@ -400,6 +438,169 @@ fn rewrite_for(statement: &str) -> Option<String> {
     ))
 }
 
+/// Inner statements of every `{% … %}` tag, outside comments and raw blocks.
+fn statements(source: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = source;
+    let mut in_raw = false;
+    while let Some(start) = [rest.find("{%"), rest.find("{#")]
+        .into_iter()
+        .flatten()
+        .min()
+    {
+        let tail = &rest[start..];
+        if tail.starts_with("{#") {
+            let end = tail.find("#}").map_or(tail.len(), |i| i + 2);
+            rest = &tail[end..];
+            continue;
+        }
+        let Some(end) = find_tag_end(tail) else {
+            break;
+        };
+        let tag = &tail[..end];
+        rest = &tail[end..];
+        let inner = tag[2..tag.len() - 2]
+            .trim_start_matches(['-', '+'])
+            .trim_end_matches(['-', '+'])
+            .trim();
+        let keyword = inner.split(|c: char| !is_ident(c)).next().unwrap_or("");
+        if in_raw {
+            in_raw = keyword != "endraw";
+            continue;
+        }
+        if keyword == "raw" {
+            in_raw = true;
+            continue;
+        }
+        out.push(inner);
+    }
+    out
+}
+
+/// An access path: a variable and the postfix operations applied to it.
+struct Access<'a> {
+    name: &'a str,
+    /// `Some(key)` for `x['key']` / `x.key`, `None` for a slice `x[a:b]`.
+    steps: Vec<Option<String>>,
+}
+
+/// Parses `name(.attr | [const] | [slice])*` at the start of `expr`; filters
+/// and tests after it (`|reverse`, `is defined`) keep the access what it is.
+fn parse_access(expr: &str) -> Option<Access<'_>> {
+    let expr = expr.trim();
+    let expr = expr
+        .strip_prefix('(')
+        .map_or(expr, |inner| inner.trim_start());
+    let name_len = expr
+        .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .unwrap_or(expr.len());
+    if name_len == 0 {
+        return None;
+    }
+    let name = &expr[..name_len];
+    let mut rest = &expr[name_len..];
+    let mut steps = Vec::new();
+    loop {
+        if let Some(after) = rest.strip_prefix('.') {
+            let len = after
+                .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .unwrap_or(after.len());
+            steps.push(Some(after[..len].to_owned()));
+            rest = &after[len..];
+        } else if let Some(after) = rest.strip_prefix('[') {
+            let close = after.find(']')?;
+            let inside = after[..close].trim();
+            if inside.contains(':') {
+                steps.push(None);
+            } else if inside.len() >= 2
+                && ((inside.starts_with('\'') && inside.ends_with('\''))
+                    || (inside.starts_with('"') && inside.ends_with('"')))
+            {
+                steps.push(Some(inside[1..inside.len() - 1].to_owned()));
+            } else {
+                // An index or a computed key: not a whole-list access.
+                steps.push(Some(String::new()));
+            }
+            rest = &after[close + 1..];
+        } else {
+            break;
+        }
+    }
+    Some(Access { name, steps })
+}
+
+/// `expr` is `var` itself or a slice / filter / test of it.
+fn is_var_or_elems(expr: &str, var: &str) -> bool {
+    parse_access(expr).is_some_and(|a| a.name == var && a.steps.iter().all(Option::is_none))
+}
+
+/// `expr` is `var['key']` / `var.key`, possibly sliced, filtered or tested.
+fn is_attr_access(expr: &str, var: &str, key: &str) -> bool {
+    parse_access(expr).is_some_and(|a| {
+        a.name == var
+            && a.steps.first().is_some_and(|s| s.as_deref() == Some(key))
+            && a.steps[1..].iter().all(Option::is_none)
+    })
+}
+
+/// vLLM's content-format detection: *openai* when the template loops over
+/// the content of a message it got by looping over `messages` (or a variable
+/// assigned from it), *string* otherwise.
+pub(crate) fn detect_content_format(source: &str) -> ContentFormat {
+    let statements = statements(source);
+    let mut sets = Vec::new();
+    let mut fors = Vec::new();
+    for statement in &statements {
+        if let Some(body) = statement.strip_prefix("set ")
+            && let Some((target, value)) = body.split_once('=')
+            && !value.starts_with('=')
+        {
+            let target = target.trim();
+            if target.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                sets.push((target, value.trim()));
+            }
+        } else if let Some(body) = statement.strip_prefix("for ") {
+            let words = top_level_words(body);
+            let Some(in_at) = words.iter().position(|(_, w)| *w == "in") else {
+                continue;
+            };
+            let target = body[..words[in_at].0].trim();
+            let expr_start = words[in_at].0 + 2;
+            let expr_end = words[in_at + 1..]
+                .iter()
+                .find(|(_, w)| *w == "if" || *w == "recursive")
+                .map_or(body.len(), |(offset, _)| *offset);
+            fors.push((target, body[expr_start..expr_end].trim()));
+        }
+    }
+    let mut messages_vars = vec!["messages"];
+    let mut i = 0;
+    while i < messages_vars.len() {
+        let var = messages_vars[i];
+        for (target, value) in &sets {
+            if is_var_or_elems(value, var) && !messages_vars.contains(target) {
+                messages_vars.push(target);
+            }
+        }
+        i += 1;
+    }
+    let message_vars: Vec<&str> = fors
+        .iter()
+        .filter(|(_, iter)| messages_vars.iter().any(|v| is_var_or_elems(iter, v)))
+        .map(|(target, _)| *target)
+        .collect();
+    let loops_over_content = fors.iter().any(|(_, iter)| {
+        message_vars
+            .iter()
+            .any(|var| is_attr_access(iter, var, "content"))
+    });
+    if loops_over_content {
+        ContentFormat::OpenAi
+    } else {
+        ContentFormat::String
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,6 +711,33 @@ mod tests {
         assert_eq!(
             out,
             "{\n  \"role\": \"u\",\n  \"content\": 1.0\n}#{\"content\":1.0,\"role\":\"u\"}#\"\\u00e9\""
+        );
+    }
+
+    #[test]
+    fn detects_the_content_format_as_vllm_does() {
+        assert_eq!(
+            detect_content_format("{% for m in messages %}{{ m.content }}{% endfor %}"),
+            ContentFormat::String
+        );
+        assert_eq!(
+            detect_content_format(
+                "{%- set loop_messages = messages[1:] -%}{%- for message in loop_messages -%}{%- for item in message['content'] | reverse -%}{{ item.text }}{% endfor %}{% endfor %}"
+            ),
+            ContentFormat::OpenAi
+        );
+        // Looping over something else's content does not count.
+        assert_eq!(
+            detect_content_format(
+                "{% for m in messages %}{% endfor %}{% for x in other.content %}{% endfor %}{# {% for c in m.content %} #}"
+            ),
+            ContentFormat::String
+        );
+        assert_eq!(
+            detect_content_format(
+                "{% for m in messages[::-1] %}{% for c in m.content[1:] %}{% endfor %}{% endfor %}"
+            ),
+            ContentFormat::OpenAi
         );
     }
 }

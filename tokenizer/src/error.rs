@@ -23,6 +23,15 @@ pub enum TokenizeError {
     /// The tokenizer failed on the text.
     #[error("tokenization failed: {0}")]
     Encode(String),
+    /// The chat request is one the engine itself would refuse (e.g.
+    /// `continue_final_message` together with `add_generation_prompt`, or a
+    /// template keyword argument that collides with a reserved name).
+    #[error("invalid chat request: {0}")]
+    InvalidRequest(String),
+    /// A message carries a content part whose tokens the server cannot know
+    /// (images, audio, video: the engine's processor expands them).
+    #[error("unsupported content part: {0}")]
+    UnsupportedContent(String),
 }
 
 /// A model directory that was reported and skipped at load time.

@@ -9,6 +9,10 @@
 //!   template, generation prompt (the contract's `prompt_text`).
 //! - [`TokenizerRegistry::encode_messages`] — a whole conversation, as the
 //!   engine's `/v1/chat/completions` renders it.
+//! - [`TokenizerRegistry::encode_chat`] — a full chat request: tools, tool
+//!   calls, content parts, documents, `add_generation_prompt`,
+//!   `continue_final_message` and `chat_template_kwargs` ([`ChatOptions`]),
+//!   normalized the way vLLM prepares them for the template.
 //! - [`TokenizerRegistry::encode_raw_prompt`] — no template, the tokenizer's
 //!   special tokens added, as the engine's `/v1/completions` string prompt.
 //!
@@ -39,10 +43,12 @@
 
 mod chat_template;
 mod clock;
+mod conversation;
 mod error;
 mod pyjson;
 mod registry;
 
 pub use clock::{Clock, FixedClock, SystemClock};
+pub use conversation::{ChatMessage, ChatOptions};
 pub use error::{LoadError, ModelLoadError, ModelLoadErrorKind, TokenizeError};
-pub use registry::{ChatMessage, RegistryOptions, TokenizerRegistry};
+pub use registry::{RegistryOptions, TokenizerRegistry};

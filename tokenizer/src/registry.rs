@@ -24,9 +24,9 @@
 
 use crate::chat_template::ChatTemplate;
 use crate::clock::{Clock, SystemClock};
+use crate::conversation::{self, ChatMessage, ChatOptions};
 use crate::error::{LoadError, ModelLoadError, ModelLoadErrorKind, TokenizeError};
 use minijinja::Value;
-use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
@@ -44,25 +44,6 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] = [
     "cls_token",
     "mask_token",
 ];
-
-/// One chat message, as in an OpenAI `/v1/chat/completions` request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `tool`, …
-    pub role: String,
-    /// The message text.
-    pub content: String,
-}
-
-impl ChatMessage {
-    /// A message with the given role and content.
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-}
 
 /// Options for loading a registry.
 #[derive(Clone)]
@@ -223,10 +204,34 @@ impl TokenizerRegistry {
         model: &str,
         messages: &[ChatMessage],
     ) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_chat(model, messages, &ChatOptions::default())
+    }
+
+    /// Tokens of a full chat request — tools, tool calls, documents,
+    /// `add_generation_prompt`, `continue_final_message` and
+    /// `chat_template_kwargs` — as the engine tokenizes it (see
+    /// [`crate::ChatOptions`] and the `conversation` module for what is
+    /// normalized the way vLLM does).
+    pub fn encode_chat(
+        &self,
+        model: &str,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let entry = self.model(model)?;
-        let text = render(entry, model, messages)?;
+        let text = render(entry, model, messages, options)?;
         // The rendered text already carries BOS and the other special tokens.
         encode(&entry.tokenizer, &text, false)
+    }
+
+    /// The text the chat template renders for a full chat request, before tokenization.
+    pub fn render_chat(
+        &self,
+        model: &str,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<String, TokenizeError> {
+        render(self.model(model)?, model, messages, options)
     }
 
     /// Tokens of a completion-style prompt: no template, the tokenizer's own
@@ -242,7 +247,7 @@ impl TokenizerRegistry {
         model: &str,
         messages: &[ChatMessage],
     ) -> Result<String, TokenizeError> {
-        render(self.model(model)?, model, messages)
+        render(self.model(model)?, model, messages, &ChatOptions::default())
     }
 
     fn model(&self, model: &str) -> Result<&Model, TokenizeError> {
@@ -252,14 +257,36 @@ impl TokenizerRegistry {
     }
 }
 
-fn render(entry: &Model, model: &str, messages: &[ChatMessage]) -> Result<String, TokenizeError> {
+fn render(
+    entry: &Model,
+    model: &str,
+    messages: &[ChatMessage],
+    options: &ChatOptions,
+) -> Result<String, TokenizeError> {
     let template = entry
         .template
         .as_ref()
         .ok_or_else(|| TokenizeError::NoChatTemplate(model.to_owned()))?;
-    template
-        .render(Value::from(minijinja::value::Serde(messages)), true)
-        .map_err(|err| TokenizeError::Template(template_error_message(&err)))
+    let mut context = conversation::template_variables(options)?;
+    let mut messages = conversation::conversation(messages, template.content_format())?;
+    let final_message = if options.continue_final_message {
+        Some(conversation::mark_final_message(&mut messages)?)
+    } else {
+        None
+    };
+    let tools = match &options.tools {
+        Some(tools) => serde_json::Value::Array(conversation::normalize_tools(tools)?),
+        None => serde_json::Value::Null,
+    };
+    context.insert("messages".to_owned(), serde_json::Value::Array(messages));
+    context.insert("tools".to_owned(), tools);
+    let rendered = template
+        .render_context(&context)
+        .map_err(|err| TokenizeError::Template(template_error_message(&err)))?;
+    match final_message {
+        Some(final_message) => conversation::cut_after_final_message(rendered, &final_message),
+        None => Ok(rendered),
+    }
 }
 
 fn encode(
