@@ -33,6 +33,8 @@
 
 extern crate alloc;
 
+use alloc::borrow::Cow;
+use alloc::string::String;
 use alloc::vec::Vec;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
 
@@ -106,6 +108,43 @@ pub fn text_hash(bytes: &[u8]) -> u64 {
     xxh3_64_with_seed(bytes, SEED)
 }
 
+/// Marks the salt half of an index partition key (see [`partition_key`]).
+pub const SALT_SEPARATOR: &str = "\u{1f}salt:";
+
+/// The index partition of blocks stored for `adapter_id` under `cache_salt`.
+///
+/// The index keeps every adapter (LoRA) in its own partition; a cache salt
+/// (vLLM's and SGLang's `cache_salt` request field) makes the engine key a
+/// prompt's blocks apart, so salted blocks get their own partition too. An
+/// empty salt is the adapter id itself, so unsalted traffic is unchanged;
+/// otherwise the key is `adapter_id + "\u{1f}salt:" + 16 hex digits of
+/// XXH3-64 (seed [`SEED`]) of the salt` — the salt itself never lands in the
+/// index, its snapshot or its metrics. The server builds the key for a
+/// lookup, the subscriber for the blocks it reports; both call this function.
+///
+/// ```
+/// use inference_cache_fingerprint::partition_key;
+///
+/// assert_eq!(partition_key("sql-lora", ""), "sql-lora");
+/// assert_eq!(partition_key("", "tenant-a-secret"), partition_key("", "tenant-a-secret"));
+/// assert_ne!(partition_key("", "tenant-a-secret"), partition_key("", "tenant-b-secret"));
+/// assert!(partition_key("sql-lora", "s").starts_with("sql-lora\u{1f}salt:"));
+/// ```
+pub fn partition_key<'a>(adapter_id: &'a str, cache_salt: &str) -> Cow<'a, str> {
+    if cache_salt.is_empty() {
+        return Cow::Borrowed(adapter_id);
+    }
+    let digest = text_hash(cache_salt.as_bytes());
+    let mut key = String::with_capacity(adapter_id.len() + SALT_SEPARATOR.len() + 16);
+    key.push_str(adapter_id);
+    key.push_str(SALT_SEPARATOR);
+    for shift in (0..16).rev() {
+        let nibble = ((digest >> (shift * 4)) & 0xf) as u32;
+        key.push(char::from_digit(nibble, 16).unwrap_or('0'));
+    }
+    Cow::Owned(key)
+}
+
 /// Wire form of a prefix hash: 8 bytes, big-endian.
 pub fn encode(hash: u64) -> [u8; WIRE_LEN] {
     hash.to_be_bytes()
@@ -150,6 +189,18 @@ pub fn request_chain(tokens: &[u32], block_size: usize) -> RequestChain {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn partition_key_is_pinned() {
+        assert_eq!(super::partition_key("", ""), "");
+        assert_eq!(super::partition_key("a", ""), "a");
+        let key = super::partition_key("a", "salt-1");
+        assert_eq!(key.len(), 1 + super::SALT_SEPARATOR.len() + 16);
+        assert_eq!(
+            key,
+            alloc::format!("a\u{1f}salt:{:016x}", super::text_hash(b"salt-1"))
+        );
+    }
+
     use super::*;
     use alloc::vec;
 
