@@ -9,6 +9,10 @@
 //! types ([`resolve_input`] decides which prompt input a lookup uses) and the
 //! answers back. Ingest runs per streamed message, so lookups interleave with
 //! a long-lived ReportCacheState stream.
+//!
+//! Every wire input is bounded here, once, before it reaches the index
+//! (see [`crate::limits`]), and callers are authenticated and scoped to their
+//! tenants here (see [`crate::auth`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,9 +26,12 @@ use inference_cache_proto::v1alpha1::{
     LookupPdRouteRequest, LookupPdRouteResponse, LookupRouteRequest, LookupRouteResponse, Metric,
     RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest, StreamMetricsRequest,
 };
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::auth::{Authorizer, Credentials};
 use crate::index_runtime::IndexState;
+use crate::limits::{Limits, MAX_GRPC_DEADLINE};
 use crate::metrics::Metrics;
 use crate::prompt_inputs::{PromptState, TextInput, TokenizeFailure};
 use inference_cache_index as index;
@@ -38,6 +45,10 @@ pub struct CacheService {
     metrics: Arc<Metrics>,
     index: Arc<IndexState>,
     prompts: Arc<PromptState>,
+    limits: Arc<Limits>,
+    auth: Arc<Authorizer>,
+    /// Cancelled when the shutdown drain deadline passes: open producer streams end.
+    cut: CancellationToken,
 }
 
 impl CacheService {
@@ -47,7 +58,76 @@ impl CacheService {
             metrics,
             index,
             prompts,
+            limits: Arc::new(Limits::default()),
+            auth: Arc::new(Authorizer::with_config(None, false)),
+            cut: CancellationToken::new(),
         }
+    }
+
+    /// Sets the request limits, the authorizer and the token that ends open
+    /// streams at the drain deadline.
+    pub fn with_guards(
+        mut self,
+        limits: Arc<Limits>,
+        auth: Arc<Authorizer>,
+        cut: CancellationToken,
+    ) -> Self {
+        self.limits = limits;
+        self.auth = auth;
+        self.cut = cut;
+        self
+    }
+
+    /// The fail-open envelope with `reason`, counted like any other answer.
+    fn fail_open(&self, reason: &str, started: Instant) -> Response<LookupRouteResponse> {
+        let response = LookupRouteResponse {
+            reason_code: reason.to_owned(),
+            lookup_latency_us: elapsed_us(started),
+            ..Default::default()
+        };
+        self.metrics
+            .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
+        Response::new(response)
+    }
+
+    /// Applies the lookup limits in place: an over-long chain or token list is
+    /// cut to a prefix (still a valid lookup); a hash wider than the scheme
+    /// allows makes the lookup fail open (`false`).
+    fn bound_lookup(&self, request: &mut LookupRouteRequest) -> bool {
+        let limits = &self.limits;
+        let width = limits.hash_width(&request.hash_scheme);
+        if request.prefix_hash.len() > width || request.block_hashes.iter().any(|h| h.len() > width)
+        {
+            self.metrics.record_limit("hash_bytes");
+            return false;
+        }
+        let max = limits.max_chain_blocks;
+        if request.block_hashes.len() > max
+            && request.block_hashes.len() == request.block_token_counts.len()
+        {
+            request.block_hashes.truncate(max);
+            request.block_token_counts.truncate(max);
+            self.metrics.record_limit("chain_blocks");
+        }
+        if request.token_ids.len() > limits.max_token_ids {
+            request.token_ids.truncate(limits.max_token_ids);
+            self.metrics.record_limit("token_ids");
+        }
+        true
+    }
+
+    /// The caller's deadline: its `grpc-timeout` from `started`, clamped to
+    /// [`MAX_GRPC_DEADLINE`] so no deadline arithmetic can overflow.
+    fn caller_deadline(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        started: Instant,
+    ) -> Option<Instant> {
+        let timeout = grpc_timeout(metadata)?;
+        if timeout > MAX_GRPC_DEADLINE {
+            self.metrics.record_limit("grpc_timeout_clamped");
+        }
+        started.checked_add(timeout.min(MAX_GRPC_DEADLINE))
     }
 
     /// Turns a text input into a token chain, or says why not: `Ok(None)` is
@@ -68,6 +148,14 @@ impl CacheService {
         {
             return Ok(None);
         }
+        if request.messages.len() > self.limits.max_chat_messages {
+            self.metrics.record_limit("chat_messages");
+            return Ok(None);
+        }
+        if crate::limits::prompt_bytes(request) > self.limits.max_prompt_bytes {
+            self.metrics.record_limit("prompt_bytes");
+            return Ok(None);
+        }
         let Some(input) = text_input(request) else {
             return Ok(None);
         };
@@ -79,6 +167,11 @@ impl CacheService {
             Ok(ids) => Ok(Some(ids)),
             Err(TokenizeFailure::Timeout(budget)) => {
                 tracing::debug!(model = %request.model_id, ?budget, "tokenization timed out");
+                Err(())
+            }
+            Err(TokenizeFailure::Busy(slots)) => {
+                tracing::debug!(model = %request.model_id, slots, "every tokenization slot busy");
+                self.metrics.record_limit("tokenize_concurrency");
                 Err(())
             }
             Err(error) => {
@@ -120,6 +213,23 @@ impl InferenceCache for CacheService {
     ) -> Result<Response<RenderTemplateResponse>, Status> {
         self.metrics.record_rpc("RenderTemplate");
         let request = request.into_inner();
+        if request.variables.len() > self.limits.max_template_variables {
+            self.metrics.record_limit("template_variables");
+            let mut response = Response::new(RenderTemplateResponse {
+                tenant_namespace: request.tenant_id.into_bytes(),
+                reason_code: reason::RENDER_ERROR.to_owned(),
+                ..Default::default()
+            });
+            let detail = format!(
+                "{} variables, more than --max-template-variables {}",
+                request.variables.len(),
+                self.limits.max_template_variables
+            );
+            if let Ok(detail) = detail.parse() {
+                response.metadata_mut().insert(RENDER_ERROR_HEADER, detail);
+            }
+            return Ok(response);
+        }
         let variables: std::collections::HashMap<String, String> =
             request.variables.into_iter().collect();
         let tenant_namespace = request.tenant_id.into_bytes();
@@ -156,8 +266,24 @@ impl InferenceCache for CacheService {
         request: Request<LookupRouteRequest>,
     ) -> Result<Response<LookupRouteResponse>, Status> {
         let started = Instant::now();
-        let deadline = grpc_timeout(request.metadata()).map(|t| started + t);
-        let request = request.into_inner();
+        let deadline = self.caller_deadline(request.metadata(), started);
+        let credentials = Credentials::of(&request);
+        let mut request = request.into_inner();
+        match self.auth.consumer(&credentials) {
+            Ok(caller) if caller.may_read(&request.tenant_id) => {}
+            Ok(_) => {
+                self.metrics.record_auth_refused("LookupRoute", "tenant");
+                return Ok(self.fail_open(reason::NO_HINT, started));
+            }
+            Err(refusal) => {
+                self.metrics
+                    .record_auth_refused("LookupRoute", refusal.reason);
+                return Ok(self.fail_open(reason::NO_HINT, started));
+            }
+        }
+        if !self.bound_lookup(&mut request) {
+            return Ok(self.fail_open(reason::NO_HINT, started));
+        }
         let mut input = resolve_input(&request, self.index.engine_block_size);
         let mut token_ids = Vec::new();
         if input == ResolvedInput::NeedsTokenizer {
@@ -170,16 +296,7 @@ impl InferenceCache for CacheService {
                     token_ids = ids;
                 }
                 Ok(None) => {}
-                Err(()) => {
-                    let response = LookupRouteResponse {
-                        reason_code: reason::TIMEOUT.to_owned(),
-                        lookup_latency_us: elapsed_us(started),
-                        ..Default::default()
-                    };
-                    self.metrics
-                        .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
-                    return Ok(Response::new(response));
-                }
+                Err(()) => return Ok(self.fail_open(reason::TIMEOUT, started)),
             }
         }
         let outcome = lookup(&self.index, &request, &input, started, deadline);
@@ -211,7 +328,22 @@ impl InferenceCache for CacheService {
         request: Request<GetCacheStateRequest>,
     ) -> Result<Response<GetCacheStateResponse>, Status> {
         self.metrics.record_rpc("GetCacheState");
+        let credentials = Credentials::of(&request);
         let request = request.into_inner();
+        match self.auth.consumer(&credentials) {
+            Ok(caller) if caller.may_read(&request.tenant_id) => {}
+            Ok(_) => {
+                self.metrics.record_auth_refused("GetCacheState", "tenant");
+                return Err(Status::permission_denied(
+                    "GetCacheState: tenant outside the caller's grant",
+                ));
+            }
+            Err(refusal) => {
+                self.metrics
+                    .record_auth_refused("GetCacheState", refusal.reason);
+                return Err(refusal.status("GetCacheState"));
+            }
+        }
         let state = self
             .index
             .index
@@ -257,14 +389,52 @@ impl InferenceCache for CacheService {
         request: Request<Streaming<CacheStateUpdate>>,
     ) -> Result<Response<Ack>, Status> {
         self.metrics.record_rpc("ReportCacheState");
+        let caller = self
+            .auth
+            .producer(&Credentials::of(&request))
+            .map_err(|refusal| {
+                self.metrics
+                    .record_auth_refused("ReportCacheState", refusal.reason);
+                refusal.status("ReportCacheState")
+            })?;
         let mut stream = request.into_inner();
-        while let Some(update) = stream.message().await.map_err(|status| {
-            Status::invalid_argument(format!(
-                "ReportCacheState: bad CacheStateUpdate: {}",
-                status.message()
-            ))
-        })? {
-            let update = cache_update(update);
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = self.cut.cancelled() => {
+                    self.metrics.streams_cut.inc();
+                    return Err(Status::unavailable("ReportCacheState: server shutting down"));
+                }
+                next = stream.message() => next,
+            };
+            let update = match next {
+                Ok(Some(update)) => update,
+                Ok(None) => break,
+                // Over --grpc-max-message-bytes: passed on as is (counted by the transport layer).
+                Err(status) if status.code() == tonic::Code::OutOfRange => return Err(status),
+                Err(status) => {
+                    return Err(Status::invalid_argument(format!(
+                        "ReportCacheState: bad CacheStateUpdate: {}",
+                        status.message()
+                    )));
+                }
+            };
+            let stats_replica = update
+                .stats
+                .as_ref()
+                .map(|s| s.replica_id.as_str())
+                .filter(|r| !r.is_empty());
+            let replicas = std::iter::once(update.replica_id.as_str()).chain(stats_replica);
+            if let Err(refusal) = caller.may_write(&update.tenant_id, replicas) {
+                self.metrics
+                    .record_auth_refused("ReportCacheState", refusal.reason);
+                return Err(refusal.status(&format!(
+                    "ReportCacheState: update of replica {:?} for tenant {:?}",
+                    update.replica_id, update.tenant_id
+                )));
+            }
+            let mut update = cache_update(update);
+            crate::limits::bound_update(&self.limits, &self.metrics, &mut update);
             let report = self.index.index.ingest(&update);
             self.index.record_ingest(&report);
         }
@@ -276,7 +446,23 @@ impl InferenceCache for CacheService {
 
     async fn publish_event(&self, request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
         self.metrics.record_rpc("PublishEvent");
+        let caller = self
+            .auth
+            .producer(&Credentials::of(&request))
+            .map_err(|refusal| {
+                self.metrics
+                    .record_auth_refused("PublishEvent", refusal.reason);
+                refusal.status("PublishEvent")
+            })?;
         let event = request.into_inner();
+        if let Err(refusal) = caller.may_write(&event.tenant_id, [event.replica_id.as_str()]) {
+            self.metrics
+                .record_auth_refused("PublishEvent", refusal.reason);
+            return Err(refusal.status(&format!(
+                "PublishEvent: event for replica {:?} in tenant {:?}",
+                event.replica_id, event.tenant_id
+            )));
+        }
         let kind = match cache_event::Type::try_from(event.r#type) {
             Ok(cache_event::Type::PrefixAdded) => index::EventKind::PrefixAdded,
             Ok(cache_event::Type::PrefixEvicted) => index::EventKind::PrefixEvicted,
@@ -466,11 +652,15 @@ fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
     }
 }
 
-/// The caller's `grpc-timeout` (e.g. `100m`), if any.
+/// The caller's `grpc-timeout` (e.g. `100m`), if any. A value past `u64`
+/// saturates; callers clamp it (see [`CacheService::caller_deadline`]).
 fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
     let value = metadata.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().unwrap_or(u64::MAX);
     use std::time::Duration;
     Some(match unit {
         "H" => Duration::from_secs(n.saturating_mul(3600)),
@@ -522,5 +712,39 @@ mod tests {
         );
         m.insert("grpc-timeout", "3S".parse().expect("ascii"));
         assert_eq!(grpc_timeout(&m), Some(std::time::Duration::from_secs(3)));
+        m.insert("grpc-timeout", "-3S".parse().expect("ascii"));
+        assert_eq!(grpc_timeout(&m), None);
+    }
+
+    #[test]
+    fn huge_grpc_timeouts_are_clamped_not_overflowed() {
+        let metrics = Arc::new(Metrics::new());
+        let mut registry = prometheus_client::registry::Registry::default();
+        let index = Arc::new(
+            IndexState::new(&crate::IndexSettings::default(), &mut registry).expect("index"),
+        );
+        let prompts = Arc::new(
+            PromptState::new(
+                &crate::PromptSettings {
+                    templates_dir: None,
+                    ..Default::default()
+                },
+                1,
+                &mut registry,
+            )
+            .expect("prompts"),
+        );
+        let service = CacheService::new(metrics, index, prompts);
+        let now = Instant::now();
+        for value in [
+            "9300000000000000000S",
+            "99999999999999999999999H",
+            "18446744073709551615H",
+        ] {
+            let mut m = tonic::metadata::MetadataMap::new();
+            m.insert("grpc-timeout", value.parse().expect("ascii"));
+            let deadline = service.caller_deadline(&m, now).expect("a deadline");
+            assert_eq!(deadline - now, MAX_GRPC_DEADLINE, "{value}");
+        }
     }
 }

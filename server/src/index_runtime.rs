@@ -375,12 +375,16 @@ impl IndexState {
         });
     }
 
-    /// Admin routes: `GET /policy` and `GET /snapshot`.
-    pub fn routes(self: &Arc<Self>) -> Router {
-        Router::new()
-            .route("/policy", get(policy_route))
-            .route("/snapshot", get(snapshot_route))
-            .with_state(Arc::clone(self))
+    /// Admin routes: `GET /policy` and `GET /snapshot`, each only when enabled.
+    pub fn routes(self: &Arc<Self>, policy: bool, snapshot: bool) -> Router {
+        let mut router = Router::new();
+        if policy {
+            router = router.route("/policy", get(policy_route));
+        }
+        if snapshot {
+            router = router.route("/snapshot", get(snapshot_route));
+        }
+        router.with_state(Arc::clone(self))
     }
 }
 

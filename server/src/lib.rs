@@ -2,7 +2,7 @@
 //!
 //! [`start`] binds the gRPC listener (the `inferencecache.v1alpha1.InferenceCache`
 //! service plus `grpc.health.v1` and gRPC reflection) and the admin HTTP
-//! listener (`/healthz`, `/readyz`, `/metrics`), and returns a [`RunningServer`]
+//! listener (`/healthz`, `/readyz`, `/metrics`, `/policy`, `/snapshot`), and returns a [`RunningServer`]
 //! carrying the bound addresses and a shutdown handle. The `inference-cache`
 //! binary is a thin clap front end over it; tests start it on port 0.
 //!
@@ -18,17 +18,24 @@
 //! ```
 
 mod admin;
+pub mod auth;
 mod config;
 mod grpc;
 mod index_runtime;
+pub mod limits;
 mod metrics;
 mod prompt_inputs;
 pub mod prompt_templates;
 mod reload;
 mod run;
+mod security;
 
-pub use config::ServeConfig;
+pub use config::{
+    DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
+};
 pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
+pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;
 pub use prompt_inputs::{PromptArgs, PromptSettings};
 pub use run::{RunningServer, start};
+pub use security::{SecurityArgs, SecuritySettings, TlsFiles};

@@ -8,7 +8,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use inference_cache_replay::ReplayArgs;
-use inference_cache_server::{IndexArgs, PromptArgs, ServeConfig, start};
+use inference_cache_server::{
+    DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, IndexArgs, LimitArgs, PromptArgs, SecurityArgs,
+    ServeConfig, ShutdownArgs, start,
+};
 use inference_cache_subscriber::SubscribeArgs;
 use tracing_subscriber::EnvFilter;
 
@@ -45,20 +48,12 @@ enum Command {
 /// Flags of `inference-cache serve`.
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
-    /// gRPC listen address (plaintext HTTP/2): InferenceCache, grpc.health.v1, reflection.
-    #[arg(
-        long,
-        default_value = "0.0.0.0:9090",
-        env = "INFERENCE_CACHE_GRPC_ADDR"
-    )]
+    /// gRPC listen address (HTTP/2, TLS with --tls-cert): InferenceCache, grpc.health.v1, reflection.
+    #[arg(long, default_value = DEFAULT_GRPC_ADDR, env = "INFERENCE_CACHE_GRPC_ADDR")]
     grpc_addr: SocketAddr,
 
-    /// Admin HTTP listen address: /healthz, /readyz, /metrics.
-    #[arg(
-        long,
-        default_value = "0.0.0.0:8080",
-        env = "INFERENCE_CACHE_ADMIN_ADDR"
-    )]
+    /// Admin HTTP listen address: /healthz, /readyz, /metrics, /policy, /snapshot.
+    #[arg(long, default_value = DEFAULT_ADMIN_ADDR, env = "INFERENCE_CACHE_ADMIN_ADDR")]
     admin_addr: SocketAddr,
 
     #[command(flatten)]
@@ -66,6 +61,15 @@ struct ServeArgs {
 
     #[command(flatten)]
     prompts: PromptArgs,
+
+    #[command(flatten)]
+    limits: LimitArgs,
+
+    #[command(flatten)]
+    security: SecurityArgs,
+
+    #[command(flatten)]
+    shutdown: ShutdownArgs,
 }
 
 impl ServeArgs {
@@ -75,6 +79,9 @@ impl ServeArgs {
             admin_addr: self.admin_addr,
             index: self.index.into_settings(),
             prompts: self.prompts.into_settings(),
+            limits: self.limits.into_settings(),
+            security: self.security.into_settings(),
+            shutdown: self.shutdown.into_settings(),
         }
     }
 }
@@ -106,7 +113,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let token = server.shutdown_token();
     tokio::spawn(async move {
         match termination_signal().await {
-            Ok(()) => tracing::info!("shutdown signal received, draining"),
+            Ok(()) => tracing::info!("shutdown signal received"),
             Err(error) => tracing::error!(%error, "installing signal handlers failed"),
         }
         token.cancel();

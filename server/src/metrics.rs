@@ -25,6 +25,29 @@ pub struct RpcLabel {
     pub rpc: String,
 }
 
+/// Label set naming a request limit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabel {
+    /// Which limit (`hash_bytes`, `prompt_bytes`, ...).
+    pub limit: String,
+}
+
+/// Label set of a dropped or adjusted `ReplicaStats`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatsLabel {
+    /// `not_finite`, `negative` or `clamped`.
+    pub reason: String,
+}
+
+/// Label set of a refused call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AuthLabel {
+    /// gRPC method name.
+    pub rpc: String,
+    /// Why it was refused.
+    pub reason: String,
+}
+
 /// All server metrics and the registry that renders them.
 pub struct Metrics {
     registry: Registry,
@@ -36,6 +59,14 @@ pub struct Metrics {
     pub rpc_calls: Family<RpcLabel, Counter>,
     /// `inferencecache_server_up`: 1 while serving.
     pub server_up: Gauge,
+    /// `inferencecache_limit_hits_total{limit}`: requests or entries a limit cut or refused.
+    pub limit_hits: Family<LimitLabel, Counter>,
+    /// `inferencecache_stats_rejected_total{reason}`: ReplicaStats dropped or clamped.
+    pub stats_rejected: Family<StatsLabel, Counter>,
+    /// `inferencecache_auth_refused_total{rpc,reason}`: calls refused by authentication or authorization.
+    pub auth_refused: Family<AuthLabel, Counter>,
+    /// `inferencecache_shutdown_streams_cut_total`: calls still open when the drain deadline passed.
+    pub streams_cut: Counter,
 }
 
 impl Metrics {
@@ -66,12 +97,50 @@ impl Metrics {
             "1 while the server is serving",
             server_up.clone(),
         );
+        let limit_hits = Family::<LimitLabel, Counter>::default();
+        registry.register(
+            "limit_hits",
+            "Requests or entries cut or refused by a request limit, by limit",
+            limit_hits.clone(),
+        );
+        for limit in crate::limits::LIMIT_LABELS {
+            let _ = limit_hits.get_or_create(&LimitLabel {
+                limit: limit.to_owned(),
+            });
+        }
+        let stats_rejected = Family::<StatsLabel, Counter>::default();
+        registry.register(
+            "stats_rejected",
+            "ReplicaStats dropped (not_finite, negative) or clamped to 1 (clamped) at ingest",
+            stats_rejected.clone(),
+        );
+        for reason in crate::limits::STATS_REASONS {
+            let _ = stats_rejected.get_or_create(&StatsLabel {
+                reason: reason.to_owned(),
+            });
+        }
+        let auth_refused = Family::<AuthLabel, Counter>::default();
+        registry.register(
+            "auth_refused",
+            "Calls refused by producer authentication or tenant scoping, by RPC and reason",
+            auth_refused.clone(),
+        );
+        let streams_cut = Counter::default();
+        registry.register(
+            "shutdown_streams_cut",
+            "Calls still open when the shutdown drain deadline passed, ended by the server",
+            streams_cut.clone(),
+        );
         Self {
             registry,
             lookup_calls,
             lookup_latency,
             rpc_calls,
             server_up,
+            limit_hits,
+            stats_rejected,
+            auth_refused,
+            streams_cut,
         }
     }
 
@@ -95,6 +164,39 @@ impl Metrics {
         self.rpc_calls
             .get_or_create(&RpcLabel {
                 rpc: rpc.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts one hit of `limit`.
+    pub fn record_limit(&self, limit: &str) {
+        self.record_limit_n(limit, 1);
+    }
+
+    /// Counts `n` hits of `limit`.
+    pub fn record_limit_n(&self, limit: &str, n: u64) {
+        self.limit_hits
+            .get_or_create(&LimitLabel {
+                limit: limit.to_owned(),
+            })
+            .inc_by(n);
+    }
+
+    /// Counts one ReplicaStats dropped or clamped for `reason`.
+    pub fn record_stats_rejected(&self, reason: &str) {
+        self.stats_rejected
+            .get_or_create(&StatsLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts one call of `rpc` refused for `reason`.
+    pub fn record_auth_refused(&self, rpc: &str, reason: &str) {
+        self.auth_refused
+            .get_or_create(&AuthLabel {
+                rpc: rpc.to_owned(),
+                reason: reason.to_owned(),
             })
             .inc();
     }

@@ -5,7 +5,12 @@
 //! Tokenization is CPU-bound, so it runs on tokio's blocking pool under a
 //! deadline (the tenant's `lookupTimeoutMs`, else `--tokenize-timeout`, and
 //! never past the caller's gRPC deadline): a slow prompt never stalls the
-//! async core threads that serve ingest and other lookups. Tokenizers are
+//! async core threads that serve ingest and other lookups. At most
+//! `--tokenize-concurrency` tokenizations run at once; a lookup arriving when
+//! every slot is taken answers TIMEOUT at once instead of queueing. A
+//! tokenizer call cannot be interrupted, so one that outlives its deadline
+//! keeps its slot until it returns; its work is bounded by `--max-prompt-bytes`
+//! (checked before it starts) and, for chat templates, by the template fuel. Tokenizers are
 //! loaded once at start-up; a request's model id is only looked up in the
 //! loaded map. Templates are re-read when the directory changes and on
 //! SIGHUP; a bad edit keeps the last good store.
@@ -110,6 +115,9 @@ pub enum TokenizeFailure {
     /// The model has no tokenizer, no chat template, or encoding failed.
     #[error(transparent)]
     Tokenizer(#[from] TokenizeError),
+    /// Every tokenization slot is taken.
+    #[error("all {0} tokenization slots are busy")]
+    Busy(usize),
     /// The blocking task died.
     #[error("tokenization task failed: {0}")]
     Task(String),
@@ -128,13 +136,19 @@ pub struct PromptState {
     templates_dir: Option<PathBuf>,
     tokenize_latency: Histogram,
     template_reloads: Family<ResultLabel, Counter>,
+    slots: Arc<tokio::sync::Semaphore>,
+    slot_count: usize,
 }
 
 impl PromptState {
     /// Loads the tokenizers and templates. Broken model directories are logged
     /// and skipped; an unreadable models directory or an invalid template file
     /// fails start-up with a message naming it.
-    pub fn new(settings: &PromptSettings, registry: &mut Registry) -> anyhow::Result<Self> {
+    pub fn new(
+        settings: &PromptSettings,
+        tokenize_concurrency: usize,
+        registry: &mut Registry,
+    ) -> anyhow::Result<Self> {
         let tokenizers = match &settings.tokenizer_models_dir {
             None => TokenizerRegistry::empty(),
             Some(dir) => {
@@ -185,6 +199,8 @@ impl PromptState {
             templates_dir: settings.templates_dir.clone().filter(|d| d.is_dir()),
             tokenize_latency,
             template_reloads,
+            slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency.max(1))),
+            slot_count: tokenize_concurrency.max(1),
         })
     }
 
@@ -207,12 +223,20 @@ impl PromptState {
         if let Some(deadline) = deadline {
             budget = budget.min(deadline.saturating_duration_since(started));
         }
+        // The slot travels with the blocking work: a call that outlives its
+        // deadline keeps it until the tokenizer returns.
+        let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
+            return Err(TokenizeFailure::Busy(self.slot_count));
+        };
         let tokenizers = Arc::clone(&self.tokenizers);
         let model = model.to_owned();
-        let task = tokio::task::spawn_blocking(move || match input {
-            TextInput::Messages(messages) => tokenizers.encode_messages(&model, &messages),
-            TextInput::RawPrompt(text) => tokenizers.encode_raw_prompt(&model, &text),
-            TextInput::PromptText(text) => tokenizers.encode_prompt_text(&model, &text),
+        let task = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            match input {
+                TextInput::Messages(messages) => tokenizers.encode_messages(&model, &messages),
+                TextInput::RawPrompt(text) => tokenizers.encode_raw_prompt(&model, &text),
+                TextInput::PromptText(text) => tokenizers.encode_prompt_text(&model, &text),
+            }
         });
         let result = match tokio::time::timeout(budget, task).await {
             Err(_) => Err(TokenizeFailure::Timeout(budget)),

@@ -1,23 +1,36 @@
 //! Starting and stopping the server: binds both listeners, wires the services,
-//! and drains them on shutdown.
+//! and shuts down in stages.
+//!
+//! Shutdown (SIGTERM, SIGINT or [`RunningServer::shutdown`]): `/readyz`
+//! answers 503 and gRPC health reports NOT_SERVING at once; after
+//! `--shutdown-delay` (time for load balancers to notice) both listeners stop
+//! accepting and in-flight calls drain; after `--drain-timeout` the calls
+//! still open (a producer stream that never closes) are ended with
+//! UNAVAILABLE and the server stops without waiting for them.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use inference_cache_proto::v1alpha1::inference_cache_server::InferenceCacheServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::http;
 use tonic::transport::server::TcpIncoming;
 
 use crate::admin::{self, AdminState};
+use crate::auth::Authorizer;
 use crate::config::ServeConfig;
 use crate::grpc::CacheService;
 use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
 use crate::prompt_inputs::PromptState;
+
+/// How long handlers get to end their streams once the drain deadline cuts them.
+const CUT_GRACE: Duration = Duration::from_secs(1);
 
 /// A started server. Dropping it does not stop it; call [`RunningServer::shutdown`].
 pub struct RunningServer {
@@ -30,7 +43,7 @@ pub struct RunningServer {
 }
 
 impl RunningServer {
-    /// A token that stops the server when cancelled (e.g. from a signal handler).
+    /// A token that starts the shutdown sequence when cancelled (e.g. from a signal handler).
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
@@ -40,19 +53,61 @@ impl RunningServer {
         self.tasks.await.context("server task panicked")?
     }
 
-    /// Stops accepting, drains in-flight calls and waits for both listeners to close.
+    /// Runs the shutdown sequence (not ready, delay, drain, cut) and waits for both listeners to close.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.shutdown.cancel();
         self.wait().await
     }
 }
 
+/// True for a response refusing a message over `--grpc-max-message-bytes`.
+fn is_oversized(headers: &http::HeaderMap) -> bool {
+    headers.get("grpc-status").is_some_and(|v| v == "11")
+        && headers
+            .get("grpc-message")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|m| m.contains("message length too large"))
+}
+
+/// Resolves `drain` after `stop` is cancelled.
+async fn drain_deadline(stop: CancellationToken, drain: Duration) {
+    stop.cancelled().await;
+    tokio::time::sleep(drain).await;
+}
+
 /// Binds the listeners and starts serving in the background.
 pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let mut metrics = Metrics::new();
     let index = Arc::new(IndexState::new(&config.index, metrics.registry_mut())?);
-    let prompts = Arc::new(PromptState::new(&config.prompts, metrics.registry_mut())?);
+    let prompts = Arc::new(PromptState::new(
+        &config.prompts,
+        config.limits.tokenize_concurrency,
+        metrics.registry_mut(),
+    )?);
     let metrics = Arc::new(metrics);
+    let security = &config.security;
+    let auth = Arc::new(Authorizer::new(
+        security.auth_file.clone(),
+        security.allow_unauthenticated_producers,
+    )?);
+    let tls = security
+        .tls
+        .as_ref()
+        .map(|files| files.server_config())
+        .transpose()?;
+    if !auth.enabled() {
+        if security.allow_unauthenticated_producers {
+            tracing::warn!(
+                "PRODUCERS ARE UNAUTHENTICATED: no --auth-file, and --allow-unauthenticated-producers accepts ReportCacheState / PublishEvent from any peer; anyone who can reach the gRPC port can steer routing"
+            );
+        } else {
+            tracing::warn!(
+                "PRODUCERS ARE UNAUTHENTICATED: no --auth-file; ReportCacheState / PublishEvent are accepted from loopback peers only (others are refused PERMISSION_DENIED); set --auth-file to admit remote producers"
+            );
+        }
+    } else if tls.is_none() {
+        tracing::warn!("--auth-file without --tls-cert: bearer tokens travel in plaintext");
+    }
     let grpc_listener = TcpListener::bind(config.grpc_addr)
         .await
         .with_context(|| format!("binding the gRPC listener on {}", config.grpc_addr))?;
@@ -76,44 +131,103 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()
         .context("building gRPC reflection (v1alpha)")?;
-    let service = InferenceCacheServer::new(CacheService::new(
-        Arc::clone(&metrics),
-        Arc::clone(&index),
-        Arc::clone(&prompts),
-    ));
 
+    // shutdown: the trigger; stop_accepting: after the delay; cut: at the drain deadline.
     let shutdown = CancellationToken::new();
-    index.spawn_background(config.index.sweep_interval, shutdown.clone());
-    prompts.spawn_background(shutdown.clone());
+    let stop_accepting = CancellationToken::new();
+    let cut = CancellationToken::new();
+    let limits = Arc::new(config.limits.clone());
+    let service = InferenceCacheServer::new(
+        CacheService::new(
+            Arc::clone(&metrics),
+            Arc::clone(&index),
+            Arc::clone(&prompts),
+        )
+        .with_guards(Arc::clone(&limits), Arc::clone(&auth), cut.clone()),
+    )
+    .max_decoding_message_size(limits.grpc_max_message_bytes);
+
+    index.spawn_background(config.index.sweep_interval, stop_accepting.clone());
+    prompts.spawn_background(stop_accepting.clone());
+    auth.spawn_background(stop_accepting.clone());
     let ready = Arc::new(AtomicBool::new(true));
     metrics.server_up.set(1);
 
+    let keepalive = limits.grpc_keepalive_interval;
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(limits.grpc_max_concurrent_streams))
+        .http2_keepalive_interval((!keepalive.is_zero()).then_some(keepalive))
+        .http2_keepalive_timeout(Some(limits.grpc_keepalive_timeout));
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .context("configuring TLS on the gRPC listener")?;
+    }
+    let oversized = {
+        let metrics = Arc::clone(&metrics);
+        tower::util::MapResponseLayer::new(move |response: http::Response<tonic::body::Body>| {
+            if is_oversized(response.headers()) {
+                metrics.record_limit("grpc_message_bytes");
+            }
+            response
+        })
+    };
+    let grpc_serve = builder
+        .layer(oversized)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(service)
+        .serve_with_incoming_shutdown(
+            // Without TCP_NODELAY a response split over writes waits out
+            // the peer's delayed ACK (40 ms on Linux): far past any budget.
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            stop_accepting.clone().cancelled_owned(),
+        );
+    let drain = config.shutdown.drain_timeout;
     let grpc = {
-        let shutdown = shutdown.clone();
-        tonic::transport::Server::builder()
-            .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(service)
-            .serve_with_incoming_shutdown(
-                // Without TCP_NODELAY a response split over writes waits out
-                // the peer's delayed ACK (40 ms on Linux): far past any budget.
-                TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-                async move { shutdown.cancelled().await },
-            )
+        let stop = stop_accepting.clone();
+        let metrics = Arc::clone(&metrics);
+        async move {
+            let mut serve = std::pin::pin!(grpc_serve);
+            tokio::select! {
+                result = &mut serve => result,
+                () = drain_deadline(stop, drain) => {
+                    tracing::warn!(?drain, "drain timeout passed, cutting the calls still open");
+                    cut.cancel();
+                    match tokio::time::timeout(CUT_GRACE, &mut serve).await {
+                        Ok(result) => result,
+                        Err(_) => {
+                            metrics.streams_cut.inc();
+                            Ok(())
+                        }
+                    }
+                }
+            }
+        }
     };
     let admin = {
-        let shutdown = shutdown.clone();
+        let stop = stop_accepting.clone();
         let state = AdminState {
             metrics: Arc::clone(&metrics),
             ready: Arc::clone(&ready),
         };
-        axum::serve(admin_listener, admin::router(state).merge(index.routes()))
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        let routes = admin::router(state)
+            .merge(index.routes(security.admin_policy, security.admin_snapshot));
+        let serve = axum::serve(admin_listener, routes)
+            .with_graceful_shutdown(stop.clone().cancelled_owned())
+            .into_future();
+        async move {
+            tokio::select! {
+                result = serve => result,
+                () = drain_deadline(stop, drain) => Ok(()),
+            }
+        }
     };
-    let on_shutdown = {
+    let sequence = {
         let shutdown = shutdown.clone();
         let metrics = Arc::clone(&metrics);
+        let delay = config.shutdown.delay;
         async move {
             shutdown.cancelled().await;
             ready.store(false, Ordering::Release);
@@ -121,12 +235,22 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
             health_reporter
                 .set_not_serving::<InferenceCacheServer<CacheService>>()
                 .await;
+            health_reporter
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            tracing::info!(
+                ?delay,
+                ?drain,
+                "not ready; stop accepting after the shutdown delay, then drain"
+            );
+            tokio::time::sleep(delay).await;
+            stop_accepting.cancel();
         }
     };
 
-    tracing::info!(%grpc_addr, %admin_addr, "serving");
+    tracing::info!(%grpc_addr, %admin_addr, tls = security.tls.is_some(), auth = auth.enabled(), "serving");
     let tasks = tokio::spawn(async move {
-        let (grpc, admin, ()) = tokio::join!(grpc, admin, on_shutdown);
+        let (grpc, admin, ()) = tokio::join!(grpc, admin, sequence);
         grpc.context("gRPC server")?;
         admin.context("admin HTTP server")?;
         tracing::info!("stopped");

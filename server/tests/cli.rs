@@ -15,11 +15,36 @@ fn help_documents_every_serve_flag() {
         .expect("run --help");
     assert!(output.status.success());
     let help = String::from_utf8_lossy(&output.stdout);
-    for flag in ["--grpc-addr", "--admin-addr", "--log-format"] {
+    for flag in [
+        "--grpc-addr",
+        "--admin-addr",
+        "--log-format",
+        "--tls-cert",
+        "--tls-key",
+        "--client-ca",
+        "--auth-file",
+        "--allow-unauthenticated-producers",
+        "--admin-snapshot",
+        "--admin-policy",
+        "--grpc-max-message-bytes",
+        "--grpc-max-concurrent-streams",
+        "--grpc-keepalive-interval",
+        "--grpc-keepalive-timeout",
+        "--max-hash-bytes",
+        "--max-chain-blocks",
+        "--max-token-ids",
+        "--max-prompt-bytes",
+        "--max-chat-messages",
+        "--max-update-entries",
+        "--max-template-variables",
+        "--tokenize-concurrency",
+        "--shutdown-delay",
+        "--drain-timeout",
+    ] {
         assert!(help.contains(flag), "serve --help lacks {flag}:\n{help}");
     }
     assert!(
-        help.contains("0.0.0.0:9090") && help.contains("0.0.0.0:8080"),
+        help.contains("0.0.0.0:9090") && help.contains("127.0.0.1:8080"),
         "{help}"
     );
 }
@@ -46,6 +71,8 @@ fn serves_then_drains_on_sigterm() {
             "127.0.0.1:0",
             "--admin-addr",
             "127.0.0.1:0",
+            "--shutdown-delay",
+            "0",
         ])
         .stderr(Stdio::piped())
         .spawn()
