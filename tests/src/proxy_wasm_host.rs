@@ -72,6 +72,9 @@ struct Stream {
     request_body: Vec<u8>,
     response_headers: Vec<(String, String)>,
     resumed: u32,
+    /// Properties by path (parts joined with '.'): seeded by the test
+    /// (route metadata, say) or set by the filter (filter state).
+    properties: HashMap<String, Vec<u8>>,
 }
 
 #[derive(Default)]
@@ -351,6 +354,38 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 return Ok(STATUS_BAD_ARGUMENT);
             };
             map.retain(|(name, _)| *name != key);
+            Ok(STATUS_OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_property",
+        |mut caller: Caller<'_, HostState>,
+         path_ptr: i32,
+         path_len: i32,
+         data_ptr: i32,
+         size_ptr: i32|
+         -> wasmtime::Result<i32> {
+            let path = property_key(&read(&mut caller, path_ptr, path_len)?);
+            let Some(value) = caller.data_mut().stream().properties.get(&path).cloned() else {
+                return Ok(STATUS_NOT_FOUND);
+            };
+            give(&mut caller, &value, data_ptr, size_ptr)?;
+            Ok(STATUS_OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_property",
+        |mut caller: Caller<'_, HostState>,
+         path_ptr: i32,
+         path_len: i32,
+         value_ptr: i32,
+         value_len: i32|
+         -> wasmtime::Result<i32> {
+            let path = property_key(&read(&mut caller, path_ptr, path_len)?);
+            let value = read(&mut caller, value_ptr, value_len)?;
+            caller.data_mut().stream().properties.insert(path, value);
             Ok(STATUS_OK)
         },
     )?;
@@ -730,6 +765,33 @@ impl ProxyWasmHost {
         )
     }
 
+    /// Seeds a property of a stream (route metadata, dynamic metadata, filter state).
+    pub fn set_property(&mut self, context: u32, path: &[&str], value: &[u8]) {
+        if let Some(stream) = self.store.data_mut().streams.get_mut(&context) {
+            stream.properties.insert(path.join("."), value.to_vec());
+        }
+    }
+
+    /// A property of a stream, as the filter left it.
+    pub fn property(&self, context: u32, path: &[&str]) -> Option<Vec<u8>> {
+        self.store
+            .data()
+            .streams
+            .get(&context)?
+            .properties
+            .get(&path.join("."))
+            .cloned()
+    }
+
+    /// Adds a response header as an upstream would, before the filter sees the response.
+    pub fn add_upstream_response_header(&mut self, context: u32, name: &str, value: &str) {
+        if let Some(stream) = self.store.data_mut().streams.get_mut(&context) {
+            stream
+                .response_headers
+                .push((name.to_ascii_lowercase(), value.to_owned()));
+        }
+    }
+
     /// How many times the filter resumed the stream's request.
     pub fn resumed(&self, context: u32) -> u32 {
         self.store
@@ -755,6 +817,15 @@ impl ProxyWasmHost {
 /// A wasmtime error (traps included) as an `anyhow` error, keeping its details.
 fn host_error(error: wasmtime::Error) -> anyhow::Error {
     anyhow!("{error:?}")
+}
+
+/// A serialized property path (parts separated by NUL) as the parts joined with '.'.
+fn property_key(serialized: &[u8]) -> String {
+    serialized
+        .split(|byte| *byte == 0)
+        .map(String::from_utf8_lossy)
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 fn header(headers: &[(String, String)], name: &str) -> Option<String> {

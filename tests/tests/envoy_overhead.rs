@@ -185,6 +185,8 @@ async fn filter_overhead() -> anyhow::Result<()> {
         backends: addrs,
         timeout_ms: 20,
         with_filter,
+        expose_reason: true,
+        route_tenant: None,
     };
     let with = Envoy::start(&setup(true)).await?;
     let without = Envoy::start(&setup(false)).await?;

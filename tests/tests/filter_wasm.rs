@@ -20,7 +20,8 @@ const CONFIG: &str = r#"{
     "tenant_id": "default",
     "replica_endpoints": {"replica-a": "10.0.0.1:8000"},
     "replica_id_is_endpoint": true,
-    "models": {"llama-sql": {"model_id": "llama", "adapter_id": "sql-lora"}}
+    "models": {"llama-sql": {"model_id": "llama", "adapter_id": "sql-lora"}},
+    "expose_reason_header": true
 }"#;
 
 const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -336,5 +337,71 @@ fn malformed_bodies_and_other_requests_pass_through() -> anyhow::Result<()> {
         host.metric("inferencecache_filter.failure.body_too_large"),
         Some(1)
     );
+    Ok(())
+}
+
+#[test]
+fn reason_is_hidden_from_clients_by_default_and_kept_in_the_filter_state() -> anyhow::Result<()> {
+    let mut host = ProxyWasmHost::load(&filter_wasm()?)?;
+    host.add_cluster("inference_cache");
+    assert!(host.configure(r#"{"grpc_cluster":"inference_cache","replica_id_is_endpoint":true}"#)?);
+    let body = tokens_body("m", &(0..32).collect::<Vec<_>>());
+    let stream = post(&mut host, "/v1/completions", &body, &[])?;
+    host.request_headers(stream, false)?;
+    host.request_body(stream, body.as_bytes(), true)?;
+    let token = host.grpc_calls()[0].token;
+    host.grpc_success(token, &response("PREFIX_MATCH", &["127.0.0.1:8002"]))?;
+    // An upstream's copy of the header is removed too.
+    host.add_upstream_response_header(stream, REASON, "TENANT_HOT");
+    host.response_headers(stream, false)?;
+    assert_eq!(host.response_header(stream, REASON), None);
+    assert_eq!(
+        host.property(stream, &["inferencecache_reason"]).as_deref(),
+        Some(&b"PREFIX_MATCH"[..])
+    );
+    Ok(())
+}
+
+#[test]
+fn tenant_from_route_metadata_ignores_the_client_header() -> anyhow::Result<()> {
+    let mut host = ProxyWasmHost::load(&filter_wasm()?)?;
+    host.add_cluster("inference_cache");
+    assert!(host.configure(
+        r#"{"grpc_cluster":"inference_cache","replica_id_is_endpoint":true,"tenant_id":"default",
+            "tenant":{"route_metadata":{"namespace":"inference_cache","path":["tenant"]}}}"#
+    )?);
+    let body = tokens_body("m", &(0..32).collect::<Vec<_>>());
+    for (metadata, expected) in [(Some("team-a"), "team-a"), (None, "default")] {
+        let stream = post(
+            &mut host,
+            "/v1/completions",
+            &body,
+            &[("x-tenant-id", "intruder")],
+        )?;
+        if let Some(tenant) = metadata {
+            host.set_property(
+                stream,
+                &[
+                    "xds",
+                    "route_metadata",
+                    "filter_metadata",
+                    "inference_cache",
+                    "tenant",
+                ],
+                tenant.as_bytes(),
+            );
+        }
+        host.request_headers(stream, false)?;
+        host.request_body(stream, body.as_bytes(), true)?;
+        let call = host
+            .grpc_calls()
+            .last()
+            .cloned()
+            .unwrap_or_else(|| panic!("no call"));
+        let request = LookupRouteRequest::decode(call.message.as_slice())?;
+        assert_eq!(request.tenant_id, expected);
+        host.grpc_failure(call.token, 14)?;
+        host.finish(stream)?;
+    }
     Ok(())
 }
