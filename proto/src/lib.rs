@@ -88,6 +88,13 @@ mod tests {
                 content: "x".into(),
             }],
             raw_prompt: "raw".into(),
+            messages_json: r#"[{"role":"user","content":"x"}]"#.into(),
+            tools_json: "[]".into(),
+            chat_template_kwargs_json: r#"{"enable_thinking":false}"#.into(),
+            add_generation_prompt: Some(false),
+            continue_final_message: true,
+            documents_json: "[]".into(),
+            cache_salt: "salt".into(),
         };
         let bytes = request.encode_to_vec();
         assert_eq!(
@@ -100,6 +107,86 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(only_adapter.encode_to_vec(), vec![0x5a, 1, b'a']);
+    }
+
+    #[test]
+    fn chat_request_fields_have_fixed_numbers() {
+        let only = |request: LookupRouteRequest| request.encode_to_vec();
+        // Wire type 2 (length-delimited), the tag as a varint, then "a".
+        let text = |field: u8| {
+            let tag = field << 3 | 2;
+            if tag < 0x80 {
+                vec![tag, 1, b'a']
+            } else {
+                vec![tag | 0x80, tag >> 7, 1, b'a']
+            }
+        };
+        assert_eq!(
+            only(LookupRouteRequest {
+                messages_json: "a".into(),
+                ..Default::default()
+            }),
+            text(14)
+        );
+        assert_eq!(
+            only(LookupRouteRequest {
+                tools_json: "a".into(),
+                ..Default::default()
+            }),
+            text(15)
+        );
+        assert_eq!(
+            only(LookupRouteRequest {
+                chat_template_kwargs_json: "a".into(),
+                ..Default::default()
+            }),
+            text(16)
+        );
+        assert_eq!(
+            only(LookupRouteRequest {
+                documents_json: "a".into(),
+                ..Default::default()
+            }),
+            text(19)
+        );
+        assert_eq!(
+            only(LookupRouteRequest {
+                cache_salt: "a".into(),
+                ..Default::default()
+            }),
+            text(20)
+        );
+        // Tags from field 16 on take two varint bytes.
+        assert_eq!(text(14), vec![0x72, 1, b'a']);
+        assert_eq!(text(20), vec![0xa2, 0x01, 1, b'a']);
+        // proto3 `optional`: an explicit false is on the wire, unset is not.
+        assert_eq!(
+            only(LookupRouteRequest {
+                add_generation_prompt: Some(false),
+                ..Default::default()
+            }),
+            vec![0x88, 0x01, 0]
+        );
+        assert!(only(LookupRouteRequest::default()).is_empty());
+        assert_eq!(
+            only(LookupRouteRequest {
+                continue_final_message: true,
+                ..Default::default()
+            }),
+            vec![0x90, 0x01, 1]
+        );
+        // An old client's bytes decode with every new field at its default.
+        let old = LookupRouteRequest {
+            model_id: "m".into(),
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: "x".into(),
+            }],
+            ..Default::default()
+        };
+        let decoded = LookupRouteRequest::decode(old.encode_to_vec().as_slice()).expect("decodes");
+        assert_eq!(decoded.add_generation_prompt, None);
+        assert!(decoded.messages_json.is_empty() && decoded.cache_salt.is_empty());
     }
 
     #[test]
