@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,7 +97,8 @@ pub struct SubscribeArgs {
     #[arg(long, default_value_t = 4096)]
     pub max_blocks_per_update: usize,
 
-    /// How long to wait for the engine's replay socket to answer.
+    /// How long to wait for each message of the engine's replay socket
+    /// (connect, first reply, every next reply).
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub replay_timeout: Duration,
 
@@ -105,6 +107,49 @@ pub struct SubscribeArgs {
     /// disables it.
     #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
     pub refresh_interval: Duration,
+
+    /// How often the replica's liveness is sent (`PublishEvent(REPLICA_UPDATED)`
+    /// naming tenant and model). Keep it well below the server's
+    /// `replicaTimeout` (default 30s), e.g. a sixth of it, or the replica
+    /// drops out of the serving set between heartbeats; `0s` disables it.
+    #[arg(long, env = "SUBSCRIBER_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// The engine's Prometheus endpoint (`http://127.0.0.1:8000/metrics` for
+    /// vLLM and SGLang), scraped every `--metrics-interval` and reported as
+    /// the replica's load (`ReplicaStats`). Plain HTTP only.
+    #[arg(long, env = "ENGINE_METRICS_URL")]
+    pub engine_metrics_url: Option<String>,
+
+    /// Scrape interval of `--engine-metrics-url`; each good scrape sends one
+    /// stats-only `ReportCacheState` update.
+    #[arg(long, env = "ENGINE_METRICS_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub metrics_interval: Duration,
+
+    /// PEM CA bundle that verifies the server's certificate (`--server
+    /// https://...`); the system's trust store otherwise.
+    #[arg(long, env = "INFERENCE_CACHE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+
+    /// PEM client certificate (chain) presented to the server for mutual
+    /// TLS; needs `--tls-key`.
+    #[arg(long, env = "INFERENCE_CACHE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, env = "INFERENCE_CACHE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Name the server's certificate must carry, when it differs from the
+    /// host in `--server` (e.g. connecting by IP address).
+    #[arg(long, env = "INFERENCE_CACHE_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
+
+    /// File holding a bearer token sent as `authorization: Bearer <token>`
+    /// on every call to the server; re-read on each (re)connect, so a
+    /// rotated token is picked up.
+    #[arg(long, env = "INFERENCE_CACHE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 
     /// Listen address of the subscriber's own `/metrics`; `off` disables it.
     #[arg(
@@ -204,10 +249,34 @@ impl SubscribeArgs {
             ),
         };
         let server = if self.server.contains("://") {
-            self.server.clone()
+            self.server.trim().to_owned()
         } else {
-            format!("http://{}", self.server)
+            format!("http://{}", self.server.trim())
         };
+        let tls = server.starts_with("https://");
+        if !tls && !server.starts_with("http://") {
+            return Err(SettingsError::BadServer(server));
+        }
+        for (flag, set) in [
+            ("--tls-ca", self.tls_ca.is_some()),
+            ("--tls-cert", self.tls_cert.is_some()),
+            ("--tls-key", self.tls_key.is_some()),
+            ("--tls-server-name", self.tls_server_name.is_some()),
+        ] {
+            if set && !tls {
+                return Err(SettingsError::TlsWithoutHttps(flag));
+            }
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(SettingsError::CertWithoutKey);
+        }
+        let engine_metrics_url = match self.engine_metrics_url.as_deref().map(str::trim) {
+            None | Some("") | Some("off") => None,
+            Some(url) => Some(MetricsUrl::parse(url)?),
+        };
+        if engine_metrics_url.is_some() && self.metrics_interval.is_zero() {
+            return Err(SettingsError::Zero("--metrics-interval"));
+        }
         Ok(Settings {
             endpoints,
             topic: self.topic.clone(),
@@ -224,6 +293,22 @@ impl SubscribeArgs {
             max_blocks_per_update: self.max_blocks_per_update,
             replay_timeout: self.replay_timeout,
             refresh_interval: (!self.refresh_interval.is_zero()).then_some(self.refresh_interval),
+            heartbeat_interval: (!self.heartbeat_interval.is_zero())
+                .then_some(self.heartbeat_interval),
+            engine_metrics_url,
+            metrics_interval: self.metrics_interval,
+            tls: tls.then(|| TlsSettings {
+                ca: self.tls_ca.clone(),
+                cert: self.tls_cert.clone(),
+                key: self.tls_key.clone(),
+                server_name: self
+                    .tls_server_name
+                    .as_deref()
+                    .map(str::trim)
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_owned),
+            }),
+            token_file: self.token_file.clone(),
             metrics_listen,
         })
     }
@@ -269,6 +354,92 @@ pub enum SettingsError {
     /// `--metrics-listen` is not a socket address.
     #[error("--metrics-listen: {0:?} is not an ip:port address")]
     BadAddress(String),
+    /// `--server` is neither `http://` nor `https://`.
+    #[error("--server: {0:?} must be an http:// or https:// URI")]
+    BadServer(String),
+    /// A TLS flag was given for a plaintext server.
+    #[error("{0} needs an https:// --server")]
+    TlsWithoutHttps(&'static str),
+    /// Only one of `--tls-cert` and `--tls-key`.
+    #[error("--tls-cert and --tls-key go together")]
+    CertWithoutKey,
+    /// `--engine-metrics-url` is not a usable `http://host[:port]/path` URL.
+    #[error("--engine-metrics-url: {url:?}: {reason}")]
+    BadMetricsUrl {
+        /// The value given.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// The engine's Prometheus endpoint, checked: plain HTTP, a host, a path
+/// (`/metrics` when none is given).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsUrl {
+    /// `host:port` to connect to (and send as `Host`).
+    pub authority: String,
+    /// Host part, for the TCP connect.
+    pub host: String,
+    /// TCP port (80 when the URL names none).
+    pub port: u16,
+    /// Path and query sent in the request line.
+    pub path: String,
+}
+
+impl MetricsUrl {
+    /// Parses `http://host[:port][/path]`.
+    pub fn parse(url: &str) -> Result<Self, SettingsError> {
+        let bad = |reason| SettingsError::BadMetricsUrl {
+            url: url.to_owned(),
+            reason,
+        };
+        let uri: hyper::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => return Err(bad("only plain http:// is supported")),
+            _ => return Err(bad("expected http://host:port/path")),
+        }
+        let authority = uri.authority().ok_or_else(|| bad("no host"))?;
+        let host = authority.host();
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        // IPv6 literals come bracketed in the authority; connect without brackets.
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let path = match uri.path_and_query().map(|p| p.as_str()) {
+            None | Some("") | Some("/") => "/metrics".to_owned(),
+            Some(path) => path.to_owned(),
+        };
+        Ok(Self {
+            authority: authority.as_str().to_owned(),
+            host,
+            port: authority.port_u16().unwrap_or(80),
+            path,
+        })
+    }
+}
+
+impl std::fmt::Display for MetricsUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.path)
+    }
+}
+
+/// TLS towards the server (`--server https://...`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// CA bundle verifying the server; the system's roots when `None`.
+    pub ca: Option<PathBuf>,
+    /// Client certificate for mutual TLS.
+    pub cert: Option<PathBuf>,
+    /// Key of `cert`.
+    pub key: Option<PathBuf>,
+    /// Expected server name, overriding the URI's host.
+    pub server_name: Option<String>,
 }
 
 /// One engine publisher and its optional replay socket.
@@ -315,6 +486,16 @@ pub struct Settings {
     pub refresh_interval: Option<Duration>,
     /// `/metrics` listen address, if any.
     pub metrics_listen: Option<SocketAddr>,
+    /// Interval of `REPLICA_UPDATED` heartbeats, if enabled.
+    pub heartbeat_interval: Option<Duration>,
+    /// The engine's Prometheus endpoint, if load is reported.
+    pub engine_metrics_url: Option<MetricsUrl>,
+    /// Scrape interval of `engine_metrics_url`.
+    pub metrics_interval: Duration,
+    /// TLS settings; `Some` exactly when the server URI is `https://`.
+    pub tls: Option<TlsSettings>,
+    /// Bearer-token file, if calls are authenticated.
+    pub token_file: Option<PathBuf>,
 }
 
 #[cfg(test)]
@@ -400,5 +581,105 @@ mod tests {
         let mut args = SubscribeArgs::try_parse_from(base()).expect("parse");
         args.tenant = String::new();
         assert_eq!(args.resolve().err(), Some(SettingsError::Empty("--tenant")));
+    }
+
+    fn resolve(extra: &[&str]) -> Result<Settings, SettingsError> {
+        let mut argv = base();
+        argv.extend(extra);
+        SubscribeArgs::try_parse_from(argv)
+            .expect("parse")
+            .resolve()
+    }
+
+    #[test]
+    fn membership_and_load_defaults() {
+        let settings = resolve(&[]).expect("resolve");
+        assert_eq!(settings.heartbeat_interval, Some(Duration::from_secs(5)));
+        assert_eq!(settings.engine_metrics_url, None);
+        assert_eq!(settings.metrics_interval, Duration::from_secs(1));
+        assert_eq!(settings.tls, None);
+        assert_eq!(settings.token_file, None);
+        let settings = resolve(&["--heartbeat-interval", "0s"]).expect("resolve");
+        assert_eq!(settings.heartbeat_interval, None);
+    }
+
+    #[test]
+    fn engine_metrics_urls() {
+        let settings =
+            resolve(&["--engine-metrics-url", "http://127.0.0.1:8000/metrics"]).expect("resolve");
+        let url = settings.engine_metrics_url.expect("url");
+        assert_eq!(url.host, "127.0.0.1");
+        assert_eq!(url.port, 8000);
+        assert_eq!(url.path, "/metrics");
+        assert_eq!(url.to_string(), "http://127.0.0.1:8000/metrics");
+        let url = MetricsUrl::parse("http://engine").expect("url");
+        assert_eq!((url.port, url.path.as_str()), (80, "/metrics"));
+        let url = MetricsUrl::parse("http://[::1]:9/m?x=1").expect("url");
+        assert_eq!((url.host.as_str(), url.path.as_str()), ("::1", "/m?x=1"));
+        for bad in [
+            "https://e:8000/metrics",
+            "127.0.0.1:8000",
+            "ftp://e/",
+            "http://",
+        ] {
+            assert!(
+                matches!(
+                    MetricsUrl::parse(bad),
+                    Err(SettingsError::BadMetricsUrl { .. })
+                ),
+                "{bad} accepted"
+            );
+        }
+        assert_eq!(
+            resolve(&[
+                "--engine-metrics-url",
+                "http://e/",
+                "--metrics-interval",
+                "0s"
+            ])
+            .err(),
+            Some(SettingsError::Zero("--metrics-interval"))
+        );
+    }
+
+    #[test]
+    fn tls_flags() {
+        let settings = resolve(&[
+            "--server",
+            "https://policy:9443",
+            "--tls-ca",
+            "/ca.pem",
+            "--tls-cert",
+            "/c.pem",
+            "--tls-key",
+            "/c.key",
+            "--tls-server-name",
+            "policy.svc",
+            "--token-file",
+            "/token",
+        ])
+        .expect("resolve");
+        let tls = settings.tls.expect("tls");
+        assert_eq!(tls.ca, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(tls.server_name.as_deref(), Some("policy.svc"));
+        assert_eq!(settings.token_file, Some(PathBuf::from("/token")));
+        assert!(
+            resolve(&["--server", "https://p:1"])
+                .expect("resolve")
+                .tls
+                .is_some()
+        );
+        assert_eq!(
+            resolve(&["--tls-ca", "/ca.pem"]).err(),
+            Some(SettingsError::TlsWithoutHttps("--tls-ca"))
+        );
+        assert_eq!(
+            resolve(&["--server", "https://p:1", "--tls-cert", "/c.pem"]).err(),
+            Some(SettingsError::CertWithoutKey)
+        );
+        assert!(matches!(
+            resolve(&["--server", "grpc://p:1"]).err(),
+            Some(SettingsError::BadServer(_))
+        ));
     }
 }

@@ -42,8 +42,11 @@
 //! ```
 
 mod args;
+mod client;
 mod decode;
 mod event;
+mod exposition;
+mod load;
 mod metrics;
 mod pipeline;
 mod report;
@@ -57,9 +60,12 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-pub use args::{EndpointSettings, Settings, SettingsError, SubscribeArgs};
+pub use args::{EndpointSettings, MetricsUrl, Settings, SettingsError, SubscribeArgs, TlsSettings};
+pub use client::ClientSetupError;
 pub use decode::{DecodeError, decode_batch};
 pub use event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
+pub use exposition::{Exposition, Sample, parse_exposition, parse_sample, parse_value};
+pub use load::{EngineLoad, EngineReading, LoadEstimator, pressure};
 pub use metrics::Metrics;
 
 use pipeline::Pipeline;
@@ -89,12 +95,22 @@ pub enum StartError {
         /// Bind error.
         source: std::io::Error,
     },
+    /// A TLS or token file named by the flags is unusable.
+    #[error("server client: {0}")]
+    Client(#[from] ClientSetupError),
 }
 
 impl Subscriber {
     /// Starts every task; returns once the `/metrics` listener is bound.
     /// Connections to engines and the server are made in the background.
     pub async fn start(settings: Settings) -> Result<Self, StartError> {
+        client::check(&settings)?;
+        if settings.token_file.is_some() && settings.tls.is_none() {
+            tracing::warn!(
+                server = %settings.server,
+                "--token-file with a plaintext --server: the bearer token crosses the network unencrypted"
+            );
+        }
         let settings = Arc::new(settings);
         let metrics = Arc::new(Metrics::new());
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -122,7 +138,19 @@ impl Subscriber {
             metrics_addr = Some(bound);
             tasks.push(task);
         }
-        let reporter = Reporter::new(settings.clone(), pipeline.clone(), metrics.clone());
+        let stats = settings.engine_metrics_url.clone().map(|url| {
+            let (tx, rx) = watch::channel(None);
+            tasks.push(tokio::spawn(load::run_scraper(
+                url,
+                settings.metrics_interval,
+                settings.replica_id.clone(),
+                tx,
+                metrics.clone(),
+                shutdown_rx.clone(),
+            )));
+            rx
+        });
+        let reporter = Reporter::new(settings.clone(), pipeline.clone(), metrics.clone(), stats);
         tasks.push(tokio::spawn(reporter.run(shutdown_rx.clone())));
         for index in 0..settings.endpoints.len() {
             let source = Source::new(index, &settings, pipeline.clone(), metrics.clone());
@@ -134,6 +162,8 @@ impl Subscriber {
             replica = %settings.replica_id,
             tenant = %settings.tenant,
             model = %settings.model,
+            heartbeat = ?settings.heartbeat_interval,
+            engine_metrics = ?settings.engine_metrics_url.as_ref().map(ToString::to_string),
             "KV-event subscriber started"
         );
         Ok(Self {
@@ -169,37 +199,58 @@ impl Subscriber {
     }
 }
 
-/// Body of `inference-cache subscribe`: runs until SIGINT or SIGTERM.
+/// Body of `inference-cache subscribe`: runs until SIGINT or SIGTERM, then
+/// shuts down gracefully (the replica says goodbye with `ALL_CLEARED`).
 pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
     let settings = args.resolve()?;
+    // Signal handlers first: a signal that arrives while starting is not lost
+    // (nor does it kill the process without the goodbye).
+    let signal = ShutdownSignal::install()?;
     let subscriber = Subscriber::start(settings).await?;
     if let Some(addr) = subscriber.metrics_addr() {
         tracing::info!(%addr, "serving subscriber /metrics");
     }
-    shutdown_signal().await;
+    signal.wait().await;
     tracing::info!("shutting down the KV-event subscriber");
     subscriber.shutdown().await;
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// SIGTERM and SIGINT, registered at once.
+struct ShutdownSignal {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                terminate: signal(SignalKind::terminate())?,
+                interrupt: signal(SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            Ok(Self {})
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn wait(mut self) {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.terminate.recv() => {}
+                _ = self.interrupt.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

@@ -55,6 +55,15 @@ pub struct Metrics {
     pub(crate) acks_rejected: Counter,
     pub(crate) resyncs: Counter,
     pub(crate) refreshes: Counter,
+    pub(crate) first_frame_replays: Counter,
+    pub(crate) announcements: Counter,
+    pub(crate) heartbeats: Counter,
+    pub(crate) goodbyes: Counter,
+    pub(crate) stats_sent: Counter,
+    pub(crate) engine_scrapes_ok: Counter,
+    pub(crate) engine_scrapes_failed: Counter,
+    pub(crate) engine_lines_malformed: Counter,
+    pub(crate) engine_values_rejected: Labeled,
 }
 
 impl Default for Metrics {
@@ -71,6 +80,12 @@ impl Metrics {
         let events: Labeled = register(r, "events", "Engine events by type");
         let dropped: Labeled =
             register(r, "blocks_dropped", "Stored blocks not reported, by reason");
+        let scrapes: Labeled = register(
+            r,
+            "engine_scrapes",
+            "Scrapes of the engine's Prometheus page, by result",
+        );
+        let scrape = |result| scrapes.get_or_create(&[("result", result)]).clone();
         let event = |kind| events.get_or_create(&[("type", kind)]).clone();
         let drop = |reason| dropped.get_or_create(&[("reason", reason)]).clone();
         Self {
@@ -172,6 +187,43 @@ impl Metrics {
                 r,
                 "refreshes",
                 "Periodic re-reports of every held block (eviction-TTL keep-alive)",
+            ),
+            first_frame_replays: register(
+                r,
+                "first_frame_replays",
+                "Replays from sequence 0 because the first frame of a publisher was later than 0",
+            ),
+            announcements: register(
+                r,
+                "announcements",
+                "Stats-only updates announcing the replica (on connect and after every clear)",
+            ),
+            heartbeats: register(
+                r,
+                "heartbeats",
+                "REPLICA_UPDATED liveness events sent on the heartbeat interval",
+            ),
+            goodbyes: register(
+                r,
+                "goodbyes",
+                "ALL_CLEARED events sent on shutdown that the server received",
+            ),
+            stats_sent: register(
+                r,
+                "stats_sent",
+                "Updates carrying engine load (ReplicaStats) sent to the server",
+            ),
+            engine_scrapes_ok: scrape("ok"),
+            engine_scrapes_failed: scrape("failed"),
+            engine_lines_malformed: register(
+                r,
+                "engine_lines_malformed",
+                "Lines of the engine's metrics page that did not parse",
+            ),
+            engine_values_rejected: register(
+                r,
+                "engine_values_rejected",
+                "Engine metric values rejected (NaN, infinite, negative, fraction above 1), by field",
             ),
             registry,
         }

@@ -15,22 +15,30 @@
 //! even when idle — a server restart breaks it, which is how the restart is
 //! noticed — and is renewed every few seconds so a draining server is not
 //! held up for long.
+//!
+//! Membership: on every connect, and after every `ALL_CLEARED` it sends
+//! (which takes the replica out of the serving set), the reporter announces
+//! the replica with a `CacheStateUpdate` that carries no prefixes (and the
+//! latest engine load when it is fresh). Every `--heartbeat-interval` it
+//! publishes `REPLICA_UPDATED`; each good engine scrape becomes a
+//! stats-only update. On shutdown it finishes the open stream and sends
+//! `ALL_CLEARED` for the replica, best effort within [`GOODBYE_TIMEOUT`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::{StreamExt, TryStreamExt};
 use inference_cache_fingerprint::encode;
-use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{
-    Ack, CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, cache_event,
+    Ack, CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, ReplicaStats, cache_event,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::args::Settings;
+use crate::client::{self, Client, ConnectError};
+use crate::load::Scraped;
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, Work};
 use crate::tracker::{Action, Tier};
@@ -44,12 +52,15 @@ const MAX_STREAM_AGE: Duration = Duration::from_secs(5);
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Concurrent PublishEvent calls.
 const PUBLISH_CONCURRENCY: usize = 32;
+/// Bound on the goodbye at shutdown: finishing the stream, then
+/// `ALL_CLEARED` (connecting first if needed).
+pub(crate) const GOODBYE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why a call to the server failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ReportError {
     #[error("connect: {0}")]
-    Connect(#[from] tonic::transport::Error),
+    Connect(#[from] ConnectError),
     #[error("call failed: {0}")]
     Status(#[from] tonic::Status),
     #[error("stream closed by the server")]
@@ -69,8 +80,12 @@ pub(crate) struct Reporter {
     settings: Arc<Settings>,
     pipeline: Arc<Pipeline>,
     metrics: Arc<Metrics>,
-    client: Option<InferenceCacheClient<Channel>>,
+    client: Option<Client>,
     stream: Option<OpenStream>,
+    /// Engine load from the scraper, when `--engine-metrics-url` is set.
+    stats: Option<watch::Receiver<Option<Scraped>>>,
+    /// New stats arrived while the reporter was waiting.
+    stats_pending: bool,
 }
 
 impl Reporter {
@@ -78,6 +93,7 @@ impl Reporter {
         settings: Arc<Settings>,
         pipeline: Arc<Pipeline>,
         metrics: Arc<Metrics>,
+        stats: Option<watch::Receiver<Option<Scraped>>>,
     ) -> Self {
         Self {
             settings,
@@ -85,6 +101,8 @@ impl Reporter {
             metrics,
             client: None,
             stream: None,
+            stats,
+            stats_pending: false,
         }
     }
 
@@ -94,6 +112,7 @@ impl Reporter {
         let mut connected_once = false;
         let max_weight = self.settings.max_blocks_per_update.saturating_mul(8);
         let mut next_refresh = self.settings.refresh_interval.map(|i| Instant::now() + i);
+        let mut next_heartbeat = self.settings.heartbeat_interval.map(|i| Instant::now() + i);
         loop {
             if *shutdown.borrow() {
                 break;
@@ -108,7 +127,11 @@ impl Reporter {
                             self.pipeline.request_resync();
                         }
                         connected_once = true;
-                        if let Err(error) = self.maintain_stream().await {
+                        let mut result = self.maintain_stream().await;
+                        if result.is_ok() {
+                            result = self.announce().await;
+                        }
+                        if let Err(error) = result {
                             self.fail(&error);
                             backoff.wait(&mut shutdown).await;
                             continue;
@@ -120,6 +143,24 @@ impl Reporter {
                         backoff.wait(&mut shutdown).await;
                         continue;
                     }
+                }
+            }
+            if self.stats_pending || self.stats_changed() {
+                self.stats_pending = false;
+                if let Err(error) = self.send_stats().await {
+                    self.fail(&error);
+                    backoff.wait(&mut shutdown).await;
+                    continue;
+                }
+            }
+            if let (Some(due), Some(interval)) = (next_heartbeat, self.settings.heartbeat_interval)
+                && Instant::now() >= due
+            {
+                next_heartbeat = Some(Instant::now() + interval);
+                if let Err(error) = self.heartbeat().await {
+                    self.fail(&error);
+                    backoff.wait(&mut shutdown).await;
+                    continue;
                 }
             }
             if let (Some(due), Some(interval)) = (next_refresh, self.settings.refresh_interval)
@@ -138,9 +179,17 @@ impl Reporter {
             let work = match self.pipeline.try_take(max_weight, &self.metrics) {
                 Some(work) => work,
                 None => {
+                    let wake = [next_heartbeat, next_refresh]
+                        .into_iter()
+                        .flatten()
+                        .fold(Instant::now() + TICK, Instant::min);
                     let idle = tokio::select! {
                         () = self.pipeline.wait() => false,
-                        () = tokio::time::sleep(TICK) => true,
+                        () = tokio::time::sleep_until(wake.into()) => true,
+                        changed = next_stats(&mut self.stats) => {
+                            self.stats_pending = changed;
+                            false
+                        }
                         _ = shutdown.changed() => false,
                     };
                     if idle && let Err(error) = self.maintain_stream().await {
@@ -150,13 +199,18 @@ impl Reporter {
                     continue;
                 }
             };
-            let result = match work {
-                Work::Actions(actions) => self.send_actions(actions).await,
+            let actions = match work {
+                Work::Actions(actions) => actions,
                 Work::Resync(actions) => {
                     self.metrics.resyncs.inc();
                     tracing::info!(actions = actions.len(), "re-sending the tracked state");
-                    self.send_actions(actions).await
+                    actions
                 }
+            };
+            // A slow server must not hold up shutdown (and the goodbye).
+            let result = tokio::select! {
+                result = self.send_actions(actions) => result,
+                _ = shutdown.changed() => break,
             };
             match result {
                 Ok(()) => backoff.reset(),
@@ -166,12 +220,97 @@ impl Reporter {
                 }
             }
         }
-        if let Some(Work::Actions(actions)) = self.pipeline.try_take(usize::MAX, &self.metrics) {
-            let _ = self.send_actions(actions).await;
+        self.goodbye().await;
+    }
+
+    /// Says goodbye: finishes the open stream (so what it carried is
+    /// ingested first), then `ALL_CLEARED` for the replica. Pending deltas
+    /// are not sent (the clear would undo them). Best effort, bounded by
+    /// [`GOODBYE_TIMEOUT`].
+    async fn goodbye(&mut self) {
+        let attempt = async {
+            if self.client.is_none() {
+                self.client = Some(self.connect().await?);
+            }
+            if let Err(error) = self.finish_stream().await {
+                tracing::debug!(%error, "closing the report stream on shutdown");
+            }
+            let clear = self.event(cache_event::Type::AllCleared, Vec::new(), "");
+            self.publish(vec![clear]).await
+        };
+        let outcome = tokio::time::timeout(GOODBYE_TIMEOUT, attempt).await;
+        match outcome {
+            Ok(Ok(())) => {
+                self.metrics.goodbyes.inc();
+                tracing::info!(replica = %self.settings.replica_id, "replica left the serving set (ALL_CLEARED)");
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "could not send ALL_CLEARED on shutdown");
+            }
+            Err(_) => {
+                tracing::warn!(
+                    timeout = ?GOODBYE_TIMEOUT,
+                    "could not send ALL_CLEARED on shutdown: timed out"
+                );
+            }
         }
-        if let Err(error) = self.finish_stream().await {
-            tracing::debug!(%error, "closing the report stream on shutdown");
+        if let Some(stream) = self.stream.take() {
+            stream.call.abort();
         }
+    }
+
+    /// Announces the replica: an update with no prefixes (the latest load
+    /// when fresh). Any update makes the replica a member of its serving
+    /// set.
+    async fn announce(&mut self) -> Result<(), ReportError> {
+        let stats = self.fresh_stats();
+        self.send_update(Vec::new(), stats).await?;
+        self.metrics.announcements.inc();
+        Ok(())
+    }
+
+    /// Publishes `REPLICA_UPDATED` (liveness).
+    async fn heartbeat(&mut self) -> Result<(), ReportError> {
+        let alive = self.event(cache_event::Type::ReplicaUpdated, Vec::new(), "");
+        self.publish(vec![alive]).await?;
+        self.metrics.heartbeats.inc();
+        Ok(())
+    }
+
+    /// Whether the scraper published stats not sent yet.
+    fn stats_changed(&self) -> bool {
+        self.stats
+            .as_ref()
+            .is_some_and(|rx| rx.has_changed().unwrap_or(false))
+    }
+
+    /// Sends the newest scraped stats (stats-only update), unless stale.
+    async fn send_stats(&mut self) -> Result<(), ReportError> {
+        let Some(rx) = self.stats.as_mut() else {
+            return Ok(());
+        };
+        let latest = rx.borrow_and_update().clone();
+        match latest {
+            Some(scraped) if self.is_fresh(&scraped) => {
+                self.send_update(Vec::new(), Some(scraped.stats)).await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Stats younger than three scrape intervals (at least 3s).
+    fn is_fresh(&self, scraped: &Scraped) -> bool {
+        let max_age = (self.settings.metrics_interval * 3).max(Duration::from_secs(3));
+        scraped.at.elapsed() <= max_age
+    }
+
+    fn fresh_stats(&self) -> Option<ReplicaStats> {
+        let rx = self.stats.as_ref()?;
+        let latest = rx.borrow();
+        latest
+            .as_ref()
+            .filter(|scraped| self.is_fresh(scraped))
+            .map(|scraped| scraped.stats.clone())
     }
 
     /// Re-reports every held block and refreshes the replica's liveness.
@@ -193,14 +332,8 @@ impl Reporter {
         self.client = None;
     }
 
-    async fn connect(&self) -> Result<InferenceCacheClient<Channel>, ReportError> {
-        let endpoint = Endpoint::from_shared(self.settings.server.clone())?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(5));
-        let channel = endpoint.connect().await?;
-        Ok(InferenceCacheClient::new(channel))
+    async fn connect(&self) -> Result<Client, ReportError> {
+        Ok(client::connect(&self.settings).await?)
     }
 
     async fn send_actions(&mut self, actions: Vec<Action>) -> Result<(), ReportError> {
@@ -220,7 +353,7 @@ impl Reporter {
                     }
                     for chunk in fingerprints.chunks(max_blocks) {
                         if entry_blocks + chunk.len() > max_blocks && !entries.is_empty() {
-                            self.send_update(std::mem::take(&mut entries)).await?;
+                            self.send_update(std::mem::take(&mut entries), None).await?;
                             entry_blocks = 0;
                         }
                         entry_blocks += chunk.len();
@@ -247,11 +380,14 @@ impl Reporter {
                     events.push(self.event(cache_event::Type::AllCleared, Vec::new(), ""));
                     // Order matters around a clear: send what precedes it now.
                     self.publish(std::mem::take(&mut events)).await?;
+                    // ALL_CLEARED also takes the replica out of the serving
+                    // set; it is still alive, with an empty cache.
+                    self.announce().await?;
                 }
             }
         }
         if !entries.is_empty() {
-            self.send_update(entries).await?;
+            self.send_update(entries, None).await?;
         }
         if !events.is_empty() {
             self.publish(events).await?;
@@ -265,7 +401,7 @@ impl Reporter {
         entry_blocks: &mut usize,
     ) -> Result<(), ReportError> {
         if !entries.is_empty() {
-            self.send_update(std::mem::take(entries)).await?;
+            self.send_update(std::mem::take(entries), None).await?;
             *entry_blocks = 0;
         }
         // Barrier: every store sent so far is ingested before a removal.
@@ -300,7 +436,12 @@ impl Reporter {
         }
     }
 
-    async fn send_update(&mut self, prefixes: Vec<PrefixEntry>) -> Result<(), ReportError> {
+    async fn send_update(
+        &mut self,
+        prefixes: Vec<PrefixEntry>,
+        stats: Option<ReplicaStats>,
+    ) -> Result<(), ReportError> {
+        let with_stats = stats.is_some();
         let blocks: usize = prefixes.iter().map(|p| p.block_hashes.len()).sum();
         let update = CacheStateUpdate {
             replica_id: self.settings.replica_id.clone(),
@@ -309,7 +450,7 @@ impl Reporter {
             hash_scheme: self.settings.hash_scheme.clone(),
             timestamp_us: now_us(),
             prefixes,
-            stats: None,
+            stats,
             adapter_id: String::new(),
         };
         let stream = self.open_stream()?;
@@ -317,6 +458,9 @@ impl Reporter {
             Ok(Ok(())) => {
                 self.metrics.updates_sent.inc();
                 self.metrics.blocks_sent.inc_by(blocks as u64);
+                if with_stats {
+                    self.metrics.stats_sent.inc();
+                }
             }
             Ok(Err(_closed)) => return Err(self.stream_failure().await),
             Err(_) => return Err(ReportError::Timeout),
@@ -421,6 +565,21 @@ impl Reporter {
             self.metrics.acks_rejected.inc();
             tracing::warn!(reason = %ack.reason_code, "server did not accept the cache-state stream");
         }
+    }
+}
+
+/// Waits for new scraped stats: true when there are some; never resolves
+/// without a scraper (or once it is gone).
+async fn next_stats(stats: &mut Option<watch::Receiver<Option<Scraped>>>) -> bool {
+    match stats {
+        Some(rx) => {
+            if rx.changed().await.is_ok() {
+                return true;
+            }
+            *stats = None;
+            futures::future::pending().await
+        }
+        None => futures::future::pending().await,
     }
 }
 

@@ -9,6 +9,15 @@
 //! is counted as missed. A sequence that goes backwards means the engine
 //! restarted with an empty cache: the replica is cleared.
 //!
+//! The first frame after start-up is a gap too when its sequence is above
+//! 0: the engine published batches 0.. before this subscriber listened (it
+//! started later, or restarted). With a replay endpoint they are requested
+//! from sequence 0 and applied before that frame, so blocks stored while
+//! the subscriber was away (and every later block chained to them) are
+//! known; what the engine's replay buffer no longer holds is counted as
+//! missed. `--replay-timeout` bounds the wait for each reply message, so
+//! a long replay is not cut short while it keeps flowing.
+//!
 //! The socket reconnects by itself after a disconnect; a failed connect or
 //! receive error recreates it after capped exponential backoff. Nothing
 //! here panics on engine data: malformed frames are counted and skipped.
@@ -166,6 +175,15 @@ impl Source {
             return;
         };
         match classify(self.last_seq, seq) {
+            SequenceVerdict::First if seq > 0 && self.endpoint.replay.is_some() => {
+                self.metrics.first_frame_replays.inc();
+                tracing::info!(
+                    endpoint = %self.endpoint.endpoint,
+                    seq,
+                    "first frame is not sequence 0: replaying what the engine published before"
+                );
+                self.recover(0, seq).await;
+            }
             SequenceVerdict::First | SequenceVerdict::Next => {}
             SequenceVerdict::Gap { from, to } => {
                 self.metrics.sequence_gaps.inc();
@@ -234,7 +252,7 @@ impl Source {
     }
 
     async fn replay(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Bytes)>, String> {
-        let deadline = Instant::now() + self.replay_timeout;
+        let mut deadline = Instant::now() + self.replay_timeout;
         let replay_endpoint = self.endpoint.replay.clone().ok_or("no replay endpoint")?;
         if self.replay_socket.is_none() {
             let mut socket = DealerSocket::new();
@@ -264,6 +282,8 @@ impl Source {
                 .await
                 .map_err(|_| "replay answer timed out".to_owned())?
                 .map_err(|e| e.to_string())?;
+            // Each reply earns the next one a full timeout.
+            deadline = Instant::now() + self.replay_timeout;
             let mut frames = reply.into_vec();
             if frames.first().is_some_and(Bytes::is_empty) {
                 frames.remove(0);

@@ -59,7 +59,8 @@ async fn stored_chain_is_reported(layout: &str) {
         assert_eq!(adapter, "");
         assert_eq!(tier, CacheTier::T1 as i32);
     }
-    let update = &received.updates[0];
+    let updates = received.block_updates();
+    let update = &updates[0];
     assert_eq!(update.replica_id, "replica-a");
     assert_eq!(update.tenant_id, "team-a");
     assert_eq!(update.model_id, "qwen3");
@@ -71,17 +72,17 @@ async fn stored_chain_is_reported(layout: &str) {
 
     // Remove block 14, then clear everything.
     publisher.publish(json!([removed(&[14], "GPU")]), layout);
-    assert!(eventually(WAIT, || !server.received().events.is_empty()).await);
-    let event = server.received().events[0].clone();
+    assert!(eventually(WAIT, || !server.received().cache_events().is_empty()).await);
+    let event = server.received().cache_events()[0].clone();
     assert_eq!(event.r#type, cache_event::Type::PrefixEvicted as i32);
     assert_eq!(event.prefix_hash, want[3]);
     assert_eq!(event.replica_id, "replica-a");
     assert_eq!(event.adapter_id, "");
 
     publisher.publish(json!([{"type": "AllBlocksCleared"}]), layout);
-    assert!(eventually(WAIT, || server.received().events.len() >= 2).await);
+    assert!(eventually(WAIT, || server.received().cache_events().len() >= 2).await);
     assert_eq!(
-        server.received().events[1].r#type,
+        server.received().cache_events()[1].r#type,
         cache_event::Type::AllCleared as i32
     );
     assert_eq!(
@@ -189,8 +190,8 @@ async fn lora_blocks_are_partitioned_and_unmapped_ids_dropped() {
     );
     // The eviction is narrowed to the block's adapter.
     publisher.publish(json!([removed(&[1], "GPU")]), "map");
-    assert!(eventually(WAIT, || !server.received().events.is_empty()).await);
-    assert_eq!(server.received().events[0].adapter_id, "chat-lora");
+    assert!(eventually(WAIT, || !server.received().cache_events().is_empty()).await);
+    assert_eq!(server.received().cache_events()[0].adapter_id, "chat-lora");
     sub.shutdown().await;
     server.kill().await;
 }
@@ -212,7 +213,7 @@ async fn offload_tier_re_reports_evicted_blocks_at_t2() {
         (String::new(), CacheTier::T2 as i32, want[1].clone())
     );
     assert!(
-        server.received().events.is_empty(),
+        server.received().cache_events().is_empty(),
         "no eviction while T2 holds it"
     );
     assert_eq!(
@@ -237,7 +238,7 @@ async fn cpu_medium_blocks_are_t2() {
     assert_eq!(server.received().blocks()[0].1, CacheTier::T2 as i32);
     // Removal from the CPU tier evicts it.
     publisher.publish(json!([removed(&[5], "CPU")]), "map");
-    assert!(eventually(WAIT, || !server.received().events.is_empty()).await);
+    assert!(eventually(WAIT, || !server.received().cache_events().is_empty()).await);
     sub.shutdown().await;
     server.kill().await;
 }
@@ -421,7 +422,11 @@ async fn server_restart_mid_stream_resends_everything() {
     assert!(metric(&sub, "inferencecache_subscriber_resyncs_total") >= 1.0);
     // A resync starts by clearing what the replica had before.
     assert_eq!(
-        restarted.received().events.first().map(|e| e.r#type),
+        restarted
+            .received()
+            .cache_events()
+            .first()
+            .map(|e| e.r#type),
         Some(cache_event::Type::AllCleared as i32)
     );
     sub.shutdown().await;
@@ -461,7 +466,7 @@ async fn held_blocks_are_refreshed_with_a_liveness_event() {
         &publisher,
         server.addr,
         false,
-        &["--refresh-interval", "1s"],
+        &["--refresh-interval", "1s", "--heartbeat-interval", "0s"],
     )
     .await;
     publisher.wait_subscriber(1);

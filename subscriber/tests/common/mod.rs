@@ -169,15 +169,75 @@ pub fn removed(hashes: &[i128], medium: &str) -> Value {
     json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium})
 }
 
+/// One call (or stream message) a [`RecordingServer`] received, in
+/// arrival order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arrival {
+    /// A CacheStateUpdate with this many prefixes, with or without stats.
+    Update { prefixes: usize, stats: bool },
+    /// A CacheEvent of this type.
+    Event(i32),
+}
+
 /// What a [`RecordingServer`] received.
 #[derive(Debug, Default, Clone)]
 pub struct Received {
     pub updates: Vec<CacheStateUpdate>,
     pub events: Vec<CacheEvent>,
     pub streams: usize,
+    /// Every update and event in arrival order.
+    pub arrivals: Vec<Arrival>,
+    /// `authorization` metadata of every accepted call.
+    pub authorization: Vec<String>,
+    /// Calls refused for a missing or wrong bearer token.
+    pub unauthenticated: usize,
 }
 
 impl Received {
+    /// Events other than REPLICA_UPDATED (heartbeats and refresh liveness).
+    pub fn cache_events(&self) -> Vec<CacheEvent> {
+        self.events
+            .iter()
+            .filter(|e| e.r#type != cache_event::Type::ReplicaUpdated as i32)
+            .cloned()
+            .collect()
+    }
+
+    /// REPLICA_UPDATED events.
+    pub fn heartbeats(&self) -> Vec<CacheEvent> {
+        self.events
+            .iter()
+            .filter(|e| e.r#type == cache_event::Type::ReplicaUpdated as i32)
+            .cloned()
+            .collect()
+    }
+
+    /// Updates with no prefixes (announcements and stats-only updates).
+    pub fn announcements(&self) -> Vec<CacheStateUpdate> {
+        self.updates
+            .iter()
+            .filter(|u| u.prefixes.is_empty())
+            .cloned()
+            .collect()
+    }
+
+    /// Updates carrying blocks.
+    pub fn block_updates(&self) -> Vec<CacheStateUpdate> {
+        self.updates
+            .iter()
+            .filter(|u| !u.prefixes.is_empty())
+            .cloned()
+            .collect()
+    }
+
+    /// Every ReplicaStats received, in order.
+    pub fn stats(&self) -> Vec<ReplicaStats> {
+        self.updates
+            .iter()
+            .filter_map(|u| u.stats.clone())
+            .collect()
+    }
+
     /// Every (adapter, tier, block hash) reported, in order.
     pub fn blocks(&self) -> Vec<(String, i32, Vec<u8>)> {
         let mut out = Vec::new();
@@ -198,6 +258,37 @@ struct Recorder {
     blocks: Arc<AtomicU64>,
     /// Keep the updates themselves (off: only count their blocks).
     keep_updates: bool,
+    /// Bearer token every call must carry, if any.
+    token: Option<String>,
+}
+
+impl Recorder {
+    /// Checks (and records) the call's `authorization` metadata.
+    fn authorize(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let header = metadata
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        if let Some(token) = &self.token
+            && header.as_deref() != Some(format!("Bearer {token}").as_str())
+        {
+            self.received.lock().unauthenticated += 1;
+            return Err(Status::unauthenticated("bad bearer token"));
+        }
+        if let Some(header) = header {
+            self.received.lock().authorization.push(header);
+        }
+        Ok(())
+    }
+}
+
+/// How a [`RecordingServer`] listens.
+#[derive(Default)]
+pub struct ServerOptions {
+    /// TLS (and client-certificate) configuration.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Bearer token required on every call.
+    pub token: Option<String>,
 }
 
 #[tonic::async_trait]
@@ -230,6 +321,7 @@ impl InferenceCache for Recorder {
         &self,
         request: Request<Streaming<CacheStateUpdate>>,
     ) -> Result<Response<Ack>, Status> {
+        self.authorize(request.metadata())?;
         self.received.lock().streams += 1;
         let mut stream = request.into_inner();
         while let Some(update) = stream.next().await {
@@ -237,7 +329,12 @@ impl InferenceCache for Recorder {
             let blocks: usize = update.prefixes.iter().map(|p| p.block_hashes.len()).sum();
             self.blocks.fetch_add(blocks as u64, Ordering::Relaxed);
             if self.keep_updates {
-                self.received.lock().updates.push(update);
+                let mut received = self.received.lock();
+                received.arrivals.push(Arrival::Update {
+                    prefixes: update.prefixes.len(),
+                    stats: update.stats.is_some(),
+                });
+                received.updates.push(update);
             }
         }
         Ok(Response::new(Ack {
@@ -246,7 +343,12 @@ impl InferenceCache for Recorder {
         }))
     }
     async fn publish_event(&self, request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
-        self.received.lock().events.push(request.into_inner());
+        self.authorize(request.metadata())?;
+        let event = request.into_inner();
+        let mut received = self.received.lock();
+        received.arrivals.push(Arrival::Event(event.r#type));
+        received.events.push(event);
+        drop(received);
         Ok(Response::new(Ack {
             accepted: true,
             reason_code: "OK".into(),
@@ -281,16 +383,21 @@ pub struct RecordingServer {
 impl RecordingServer {
     /// Listens on `addr` (port 0 for an ephemeral one).
     pub async fn start(addr: SocketAddr) -> Self {
-        Self::listen(addr, true)
+        Self::listen(addr, true, ServerOptions::default())
+    }
+
+    /// Like [`RecordingServer::start`], with TLS and / or a required token.
+    pub async fn start_with(addr: SocketAddr, options: ServerOptions) -> Self {
+        Self::listen(addr, true, options)
     }
 
     /// Like [`RecordingServer::start`], but only counts the blocks it
     /// receives (no copy of the updates is kept).
     pub async fn start_counting(addr: SocketAddr) -> Self {
-        Self::listen(addr, false)
+        Self::listen(addr, false, ServerOptions::default())
     }
 
-    fn listen(addr: SocketAddr, keep_updates: bool) -> Self {
+    fn listen(addr: SocketAddr, keep_updates: bool, options: ServerOptions) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -301,6 +408,7 @@ impl RecordingServer {
         let addr = listener.local_addr().expect("addr");
         let recorder = Recorder {
             keep_updates,
+            token: options.token,
             ..Recorder::default()
         };
         let received = recorder.received.clone();
@@ -308,7 +416,11 @@ impl RecordingServer {
         runtime.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            let _ = tonic::transport::Server::builder()
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(tls) = options.tls {
+                builder = builder.tls_config(tls).expect("server TLS config");
+            }
+            let _ = builder
                 .add_service(InferenceCacheServer::new(recorder))
                 .serve_with_incoming(incoming)
                 .await;
@@ -500,4 +612,182 @@ impl Drop for ServerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A stand-in engine `/metrics` page over real HTTP/1.1: answers every
+/// request with the current body (or the current status).
+pub struct MetricsPage {
+    pub addr: SocketAddr,
+    state: Arc<Mutex<(u16, String)>>,
+    /// Requests served.
+    pub requests: Arc<AtomicU64>,
+}
+
+impl MetricsPage {
+    /// Serves `body` with status 200 on an ephemeral loopback port.
+    pub fn start(body: &str) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(Mutex::new((200u16, body.to_owned())));
+        let requests = Arc::new(AtomicU64::new(0));
+        let (state2, requests2) = (state.clone(), requests.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let state = state2.clone();
+                let requests = requests2.clone();
+                std::thread::spawn(move || {
+                    use std::io::Read;
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    requests.fetch_add(1, Ordering::Relaxed);
+                    let (status, body) = state.lock().clone();
+                    let response = format!(
+                        "HTTP/1.1 {status} X\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+                         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(response.as_bytes());
+                });
+            }
+        });
+        Self {
+            addr,
+            state,
+            requests,
+        }
+    }
+
+    /// The URL to pass as `--engine-metrics-url`.
+    pub fn url(&self) -> String {
+        format!("http://{}/metrics", self.addr)
+    }
+
+    /// Replaces the page.
+    pub fn set(&self, body: &str) {
+        *self.state.lock() = (200, body.to_owned());
+    }
+
+    /// Answers with `status` and an empty body from now on.
+    pub fn fail_with(&self, status: u16) {
+        *self.state.lock() = (status, String::new());
+    }
+}
+
+/// A fixture file under `tests/fixtures/`.
+pub fn fixture(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A throw-away PKI for TLS tests: a CA, a server certificate for
+/// `localhost` and `127.0.0.1`, and a client certificate, written as PEM
+/// files into a temporary directory.
+pub struct TestPki {
+    pub dir: tempfile::TempDir,
+    pub ca_pem: String,
+    pub server_cert_pem: String,
+    pub server_key_pem: String,
+}
+
+impl TestPki {
+    pub fn generate() -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+            IsCa, KeyPair, KeyUsagePurpose,
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "inference-cache test CA");
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("ca key"))
+            .expect("ca cert");
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose, cn: &str| {
+            let mut params = CertificateParams::new(names).expect("leaf params");
+            params.distinguished_name.push(DnType::CommonName, cn);
+            params.extended_key_usages = vec![usage];
+            let key = KeyPair::generate().expect("leaf key");
+            let cert = params.signed_by(&key, &ca).expect("leaf cert");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert_pem, server_key_pem) = leaf(
+            vec!["localhost".into(), "127.0.0.1".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+            "inference-cache server",
+        );
+        let (client_cert_pem, client_key_pem) = leaf(
+            vec!["subscriber.team-a".into()],
+            ExtendedKeyUsagePurpose::ClientAuth,
+            "subscriber",
+        );
+        let ca_pem = ca.pem();
+        for (name, content) in [
+            ("ca.pem", &ca_pem),
+            ("client.pem", &client_cert_pem),
+            ("client.key", &client_key_pem),
+        ] {
+            std::fs::write(dir.path().join(name), content).expect("write pem");
+        }
+        Self {
+            dir,
+            ca_pem,
+            server_cert_pem,
+            server_key_pem,
+        }
+    }
+
+    /// Path of a file written by [`TestPki::generate`].
+    pub fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    /// Server TLS; with `require_client_cert`, only clients whose
+    /// certificate this CA signed get in.
+    pub fn server_tls(&self, require_client_cert: bool) -> tonic::transport::ServerTlsConfig {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+            &self.server_cert_pem,
+            &self.server_key_pem,
+        ));
+        if require_client_cert {
+            tls = tls.client_ca_root(Certificate::from_pem(&self.ca_pem));
+        }
+        tls
+    }
+}
+
+/// Starts a subscriber with explicit flags (no ZMQ publisher needed: the
+/// endpoint may point nowhere).
+pub async fn subscriber_with(server: &str, extra: &[&str]) -> Subscriber {
+    let mut argv = vec![
+        "subscribe".to_owned(),
+        "--endpoint".into(),
+        "tcp://127.0.0.1:1".into(),
+        "--server".into(),
+        server.to_owned(),
+        "--replica-id".into(),
+        "replica-a".into(),
+        "--tenant".into(),
+        "team-a".into(),
+        "--model".into(),
+        "qwen3".into(),
+        "--metrics-listen".into(),
+        "off".into(),
+    ];
+    argv.extend(extra.iter().map(|s| (*s).to_owned()));
+    let args = SubscribeArgs::try_parse_from(argv).expect("flags parse");
+    Subscriber::start(args.resolve().expect("flags resolve"))
+        .await
+        .expect("subscriber starts")
 }
