@@ -9,7 +9,8 @@
 //! build, which is what istio-agent hands Envoy after downloading the module.
 //! Every patch must match something in the gateway configuration, and an
 //! operation not implemented here is an error, so an edit to the manifest
-//! cannot silently test less.
+//! cannot silently test less. MERGE follows Istio's protobuf merge: objects
+//! merge field by field, lists append, scalars replace.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -25,6 +26,8 @@ pub struct Gateway {
     pub backends: Vec<SocketAddr>,
     /// Plugin `timeout_ms` (the manifest's 20 ms is tight on a loaded test machine).
     pub timeout_ms: u64,
+    /// Plugin `expose_reason_header` (the manifest has it off).
+    pub expose_reason: bool,
 }
 
 /// Cluster the manifest's plugin configuration names for the server.
@@ -57,7 +60,7 @@ pub fn render(
         "envoy/istio/envoyfilter.yaml adds no extension config"
     );
     for extension in &mut extensions {
-        localise(extension, wasm, gateway.timeout_ms)?;
+        localise(extension, wasm, gateway)?;
     }
     let ecds = dir.join("ecds.json");
     let resources: Vec<Value> = extensions
@@ -151,6 +154,56 @@ fn apply_patches(bootstrap: &mut Value, manifest: &Value) -> anyhow::Result<Vec<
                 extensions.push(value.clone());
                 1
             }
+            ("CLUSTER", "MERGE") => {
+                let name = cluster_name(patch, &what)?;
+                let mut count = 0;
+                for cluster in items(&mut bootstrap["static_resources"], "clusters") {
+                    if cluster["name"] == name.as_str() {
+                        merge(cluster, value);
+                        count += 1;
+                    }
+                }
+                count
+            }
+            ("NETWORK_FILTER", "MERGE") => {
+                let network = text(patch, "/match/listener/filterChain/filter/name", &what)?;
+                let mut count = 0;
+                for typed_config in network_filters(bootstrap, network) {
+                    let patch_config = value
+                        .get("typed_config")
+                        .with_context(|| format!("{what}: no typed_config"))?;
+                    ensure!(
+                        typed_config["@type"] == patch_config["@type"],
+                        "{what}: typed_config @type differs from the filter's"
+                    );
+                    merge(typed_config, patch_config);
+                    count += 1;
+                }
+                count
+            }
+            ("HTTP_ROUTE", "MERGE") => {
+                let vhost = text(patch, "/match/routeConfiguration/vhost/name", &what)?;
+                let route_name = patch
+                    .pointer("/match/routeConfiguration/vhost/route/name")
+                    .and_then(Value::as_str);
+                let mut count = 0;
+                for hcm in
+                    network_filters(bootstrap, "envoy.filters.network.http_connection_manager")
+                {
+                    for host in items(&mut hcm["route_config"], "virtual_hosts") {
+                        if host["name"] != vhost {
+                            continue;
+                        }
+                        for route in items(host, "routes") {
+                            if route_name.is_none_or(|name| route["name"] == name) {
+                                merge(route, value);
+                                count += 1;
+                            }
+                        }
+                    }
+                }
+                count
+            }
             ("CLUSTER", "ADD") => {
                 let clusters = bootstrap["static_resources"]["clusters"]
                     .as_array_mut()
@@ -209,6 +262,20 @@ fn apply_patches(bootstrap: &mut Value, manifest: &Value) -> anyhow::Result<Vec<
     Ok(extensions)
 }
 
+/// The cluster a CLUSTER patch matches: `match.cluster.name`, or Istio's
+/// name for `match.cluster.service` and `portNumber` (no subset).
+fn cluster_name(patch: &Value, what: &str) -> anyhow::Result<String> {
+    if let Some(name) = patch.pointer("/match/cluster/name").and_then(Value::as_str) {
+        return Ok(name.to_owned());
+    }
+    let service = text(patch, "/match/cluster/service", what)?;
+    let port = patch
+        .pointer("/match/cluster/portNumber")
+        .and_then(Value::as_u64)
+        .with_context(|| format!("{what}: no /match/cluster/portNumber"))?;
+    Ok(format!("outbound|{port}||{service}"))
+}
+
 /// Istio's MERGE: objects merge key by key, lists append, scalars replace.
 fn merge(target: &mut Value, patch: &Value) {
     match (target, patch) {
@@ -228,8 +295,9 @@ fn merge(target: &mut Value, patch: &Value) {
 }
 
 /// What istio-agent does to a wasm extension config: the `remote` module
-/// becomes a local file. Also sets the plugin's `timeout_ms`.
-fn localise(extension: &mut Value, wasm: &Path, timeout_ms: u64) -> anyhow::Result<()> {
+/// becomes a local file. Also sets the plugin's `timeout_ms` and
+/// `expose_reason_header`.
+fn localise(extension: &mut Value, wasm: &Path, gateway: &Gateway) -> anyhow::Result<()> {
     let config = extension
         .pointer_mut("/typed_config/config")
         .context("extension config: no typed_config.config")?;
@@ -250,7 +318,8 @@ fn localise(extension: &mut Value, wasm: &Path, timeout_ms: u64) -> anyhow::Resu
             .context("extension config: configuration.value is not a string")?,
     )
     .context("extension config: configuration.value is not JSON")?;
-    settings["timeout_ms"] = json!(timeout_ms);
+    settings["timeout_ms"] = json!(gateway.timeout_ms);
+    settings["expose_reason_header"] = json!(gateway.expose_reason);
     *plugin = Value::String(settings.to_string());
     Ok(())
 }
