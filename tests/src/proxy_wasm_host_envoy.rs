@@ -273,6 +273,19 @@ pub fn render_bootstrap(
         )?;
     }
     if !setup.with_filter {
+        // The baseline also keeps a client's destination header, so a
+        // benchmark can time the pool's override_host path without a lookup.
+        let start = text
+            .find("          early_header_mutation_extensions:")
+            .ok_or_else(|| anyhow!("early_header_mutation_extensions not found"))?;
+        let end = text
+            .find("          # One line per request")
+            .ok_or_else(|| anyhow!("access log comment not found"))?;
+        ensure!(
+            start < end,
+            "envoy/envoy.yaml: edge mutation after the access log"
+        );
+        text.replace_range(start..end, "");
         let start = text
             .find("          - name: envoy.filters.http.wasm")
             .ok_or_else(|| anyhow!("wasm filter entry not found"))?;

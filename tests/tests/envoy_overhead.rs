@@ -19,8 +19,9 @@
 //!
 //! - `without filter`: the baseline (round-robin cluster);
 //! - `without filter, routed by header`: the client sets the destination
-//!   header itself, so the request takes the `ORIGINAL_DST` route a
-//!   routed request takes, without a lookup;
+//!   header itself (this Envoy also lacks the edge removal of that header),
+//!   so the pool's override_host policy picks the host a routed request
+//!   goes to, without a lookup;
 //! - `filter, other path`: the filter in the chain, request not inspected
 //!   (`/v1/embeddings`);
 //! - `filter, parsed, no lookup`: body buffered and parsed, no gRPC call
