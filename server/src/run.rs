@@ -66,7 +66,8 @@ fn is_oversized(headers: &http::HeaderMap) -> bool {
         && headers
             .get("grpc-message")
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|m| m.contains("message length too large"))
+            // grpc-message is percent-encoded (spaces as %20).
+            .is_some_and(|m| m.replace("%20", " ").contains("message length too large"))
 }
 
 /// Resolves `drain` after `stop` is cancelled.
