@@ -10,8 +10,18 @@
 //!               from r's last stats if younger than loadStatsMaxAge;
 //!               unknown otherwise → the mean of the members whose load is known
 //! pending(r)  = uncached tokens this index hinted to r since those stats
-//! cost(r)     = uncached(r) + loadWeight × load(r)
+//! excess(r)   = recent requests to r past loadBound × their mean + 1,
+//!               × mean request tokens (a decayed count, see below)
+//! busy        = mean load / mean request tokens (queued requests per member)
+//! cost(r)     = (1 + contentionWeight × busy) × uncached(r)
+//!               + loadWeight × (load(r) + excess(r))
 //! ```
+//!
+//! The contention factor makes recomputation dearer as the fleet fills up:
+//! moving a session off its cache adds work that everything queued behind
+//! it waits for, so a saturated fleet keeps sessions where their cache is.
+//! The excess term keeps long-lived sessions from piling onto a few
+//! replicas when nothing else would move them (an idle fleet).
 //!
 //! The *common depth* is the longest run of blocks that more than half of the
 //! live members hold (a system prompt, a tool preamble): holding it tells
@@ -24,8 +34,10 @@
 //! rendezvous hashing of its first block past the common depth — the first
 //! block of the session's own content, the same on every turn — over the
 //! members whose load is at most `loadBound × mean load + max(request, mean
-//! request)` tokens: deterministic, even, and bounded by load (AFFINITY_HINT,
-//! or NO_HINT when affinity routing is disabled).
+//! request)` tokens and whose recent requests (a count halving every
+//! `balanceHalfLife`) are at most `loadBound × their mean + 1`:
+//! deterministic, even even when every replica is idle, and bounded by load
+//! (AFFINITY_HINT, or NO_HINT when affinity routing is disabled).
 //!
 //! Cost: two passes over the live members plus a binary search per candidate;
 //! everything lives in stack buffers of 32 members (heap beyond).
@@ -54,6 +66,8 @@ pub(crate) struct MemberCost {
     pub replica: ReplicaId,
     /// Prefill tokens queued there.
     pub load: f64,
+    /// Requests hinted there recently (decayed count).
+    pub assigned: f64,
     /// Tokens of the request it holds.
     pub matched: i64,
     /// Blocks of the request it holds.
@@ -88,6 +102,7 @@ impl CacheIndex {
         let policy = ctx.policy;
         let mean_tokens = self.mean_request_tokens();
         let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
+        let half_life_ms = u64::try_from(policy.balance_half_life.as_millis()).unwrap_or(u64::MAX);
         let mut members = Members::new();
         let (mut known_sum, mut known) = (0.0, 0u32);
         let mut unknown: SmallVec<[usize; 32]> = SmallVec::new();
@@ -116,6 +131,7 @@ impl CacheIndex {
             members.push(MemberCost {
                 replica,
                 load: queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64,
+                assigned: record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms)),
                 ..MemberCost::default()
             });
         }
@@ -144,6 +160,7 @@ fn cost_view(
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
+    mean_tokens: f64,
 ) -> Option<CostView> {
     if members.is_empty() {
         return None;
@@ -157,8 +174,23 @@ fn cost_view(
             m.tier = c.tier;
         }
     }
+    // Recent requests past the balance bound count as queued requests.
+    let n = members.len() as f64;
+    let mean_assigned = members.iter().map(|m| m.assigned).sum::<f64>() / n;
+    let assigned_limit = policy.load_bound * mean_assigned + 1.0;
+    // Recomputing a prefix is work every request queued behind it waits
+    // for: the busier the fleet, the more an uncached token costs.
+    let mean_load = members.iter().map(|m| m.load).sum::<f64>() / n;
+    let busy = if mean_tokens > 0.0 {
+        mean_load / mean_tokens
+    } else {
+        0.0
+    };
+    let uncached_weight = 1.0 + policy.contention_weight * busy;
     for m in members.iter_mut() {
-        m.cost = (request_tokens - m.matched).max(0) as f64 + policy.load_weight * m.load;
+        let excess = (m.assigned - assigned_limit).max(0.0) * mean_tokens;
+        let uncached = (request_tokens - m.matched).max(0) as f64;
+        m.cost = uncached_weight * uncached + policy.load_weight * (m.load + excess);
     }
     let mut best = 0;
     for (i, m) in members.iter().enumerate() {
@@ -199,9 +231,17 @@ pub(crate) fn rank_by_cost(
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
+    mean_tokens: f64,
 ) -> Ranked {
     let policy = ctx.policy;
-    let Some(view) = cost_view(policy, members.clone(), cands, chain, request_tokens) else {
+    let Some(view) = cost_view(
+        policy,
+        members.clone(),
+        cands,
+        chain,
+        request_tokens,
+        mean_tokens,
+    ) else {
         return Ranked::DOWNGRADED;
     };
     let best = view.members[view.best];
@@ -260,7 +300,14 @@ pub(crate) fn bounded_affinity(
     if !policy.affinity_routing {
         return None;
     }
-    let view = cost_view(policy, members.clone(), cands, chain, request_tokens)?;
+    let view = cost_view(
+        policy,
+        members.clone(),
+        cands,
+        chain,
+        request_tokens,
+        mean_tokens,
+    )?;
     let seed = match chain {
         Some(c) if !c.hashes.is_empty() => {
             seed_of(c.hashes.get(seed_block.min(c.hashes.len() - 1)))
@@ -268,16 +315,24 @@ pub(crate) fn bounded_affinity(
         _ if !prefix_hash.is_empty() => seed_of(prefix_hash),
         _ => return None,
     };
-    let mean_load = view.members.iter().map(|m| m.load).sum::<f64>() / view.members.len() as f64;
-    let limit = policy.load_bound * mean_load + (request_tokens as f64).max(mean_tokens);
-    let mut pick: Option<(u64, ReplicaId)> = None;
-    for m in view.members.iter().filter(|m| m.load <= limit) {
-        let weight = mix(seed ^ name_hash(catalog.replica_str(m.replica).as_bytes()));
-        if pick.is_none_or(|(w, _)| weight > w) {
-            pick = Some((weight, m.replica));
+    let n = view.members.len() as f64;
+    let mean_assigned = view.members.iter().map(|m| m.assigned).sum::<f64>() / n;
+    let least = view.members[view.best].cost;
+    let cost_limit = least + (policy.load_bound - 1.0) * (request_tokens as f64).max(mean_tokens);
+    let assigned_limit = policy.load_bound * mean_assigned + 1.0;
+    let rendezvous = |eligible: &dyn Fn(&MemberCost) -> bool| {
+        let mut pick: Option<(u64, ReplicaId)> = None;
+        for m in view.members.iter().filter(|m| eligible(m)) {
+            let weight = mix(seed ^ name_hash(catalog.replica_str(m.replica).as_bytes()));
+            if pick.is_none_or(|(w, _)| weight > w) {
+                pick = Some((weight, m.replica));
+            }
         }
-    }
-    let (_, replica) = pick?;
+        pick.map(|(_, r)| r)
+    };
+    let replica = rendezvous(&|m| m.cost <= cost_limit && m.assigned <= assigned_limit)
+        .or_else(|| rendezvous(&|m| m.cost <= cost_limit))
+        .or_else(|| rendezvous(&|_| true))?;
     Some(ReplicaScore {
         replica_id: catalog.replica_str(replica).clone(),
         score: 0.0,

@@ -20,6 +20,8 @@
 //! tokens this index itself hinted to it since that report (`pending`), so a
 //! burst of requests that arrives between two stats reports spreads instead of
 //! piling onto the replica that looked idle. A stats report resets `pending`.
+//! It also keeps a decayed count of the requests hinted to it (`assigned`),
+//! which spreads new sessions evenly even when every replica is idle.
 //!
 //! Concurrency: one `RwLock<Fleet>` in the index. Lookups take it shared and
 //! add to `pending` with an atomic; joins, leaves and stats take it exclusively
@@ -47,6 +49,10 @@ pub(crate) struct ReplicaRecord {
     pub heartbeats: bool,
     /// Uncached prefill tokens hinted to it since `stats_at_ms`.
     pub pending_tokens: AtomicU64,
+    /// Requests hinted to it, decayed with a half-life (`f64` bits), and
+    /// when that count was last updated (ms).
+    assigned: AtomicU64,
+    assigned_at_ms: AtomicU64,
 }
 
 impl ReplicaRecord {
@@ -59,6 +65,30 @@ impl ReplicaRecord {
     pub fn add_pending(&self, tokens: u64) {
         self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
     }
+
+    /// Requests hinted to it recently: each counts 1, halving every
+    /// `half_life_ms`.
+    pub fn assigned(&self, now_ms: u64, half_life_ms: u64) -> f64 {
+        let value = f64::from_bits(self.assigned.load(Ordering::Relaxed));
+        let at = self.assigned_at_ms.load(Ordering::Relaxed);
+        value * decay(now_ms.saturating_sub(at), half_life_ms)
+    }
+
+    /// Counts one request just hinted to it. Concurrent callers may lose an
+    /// increment: this is a balancing signal, not an account.
+    pub fn add_assigned(&self, now_ms: u64, half_life_ms: u64) {
+        let next = self.assigned(now_ms, half_life_ms) + 1.0;
+        self.assigned.store(next.to_bits(), Ordering::Relaxed);
+        self.assigned_at_ms.store(now_ms, Ordering::Relaxed);
+    }
+}
+
+/// `0.5^(elapsed / half_life)`.
+fn decay(elapsed_ms: u64, half_life_ms: u64) -> f64 {
+    if half_life_ms == 0 {
+        return 0.0;
+    }
+    (-(elapsed_ms as f64) / half_life_ms as f64 * std::f64::consts::LN_2).exp()
 }
 
 /// One member of a `(tenant, model)` serving set.
@@ -253,6 +283,11 @@ mod tests {
         assert_eq!(fleet.records[&1].pending(), 500);
         fleet.record_stats(1, ReplicaStatsReport::default(), 10);
         assert_eq!(fleet.records[&1].pending(), 0);
+        let record = &fleet.records[&1];
+        record.add_assigned(1_000, 10_000);
+        record.add_assigned(1_000, 10_000);
+        assert!((record.assigned(1_000, 10_000) - 2.0).abs() < 1e-9);
+        assert!((record.assigned(11_000, 10_000) - 1.0).abs() < 1e-9);
         assert_eq!(fleet.expire(20_000, |_| 30_000), 0);
         assert_eq!(fleet.expire(40_000, |_| 30_000), 1);
         assert!(fleet.members(10, 20).is_empty());

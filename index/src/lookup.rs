@@ -275,6 +275,7 @@ impl CacheIndex {
                     cands.as_slice(),
                     chain,
                     request_tokens,
+                    self.mean_request_tokens(),
                 )
             }
             (Matched::Miss, _) => {
@@ -340,7 +341,14 @@ impl CacheIndex {
             return LookupOutcome::empty(Reason::Timeout, "");
         }
         if policy.ranker == Ranker::CostAware {
-            self.count_hinted(&catalog, &fleet, &outcome, cands.as_slice(), request_tokens);
+            self.count_hinted(
+                &catalog,
+                &fleet,
+                &ctx,
+                &outcome,
+                cands.as_slice(),
+                request_tokens,
+            );
         }
         drop(fleet);
         if outcome.reason == Reason::PrefixMatch
@@ -395,10 +403,14 @@ impl CacheIndex {
         &self,
         catalog: &Catalog,
         fleet: &Fleet,
+        ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
         cands: &[Candidate],
         request_tokens: i64,
     ) {
+        let now_ms = ctx.now_ms;
+        let half_life_ms =
+            u64::try_from(ctx.policy.balance_half_life.as_millis()).unwrap_or(u64::MAX);
         let Some(top) = outcome.scores.first() else {
             return;
         };
@@ -412,6 +424,7 @@ impl CacheIndex {
         let uncached = (request_tokens - matched).max(0) as u64;
         if let Some(record) = fleet.records.get(&replica) {
             record.add_pending(uncached);
+            record.add_assigned(now_ms, half_life_ms);
         }
         self.observe_request_tokens(uncached as f64);
     }

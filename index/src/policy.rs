@@ -53,10 +53,10 @@ pub enum AffinityAlgorithm {
 pub enum Ranker {
     /// The contract's score: matched tokens × freshness × pressure factor ×
     /// SLO bias × distinguishing power; AFFINITY_HINT seeded by the whole chain.
-    #[default]
     Contract,
     /// Minimizes the work a request waits for on each live member: its
     /// uncached prefill tokens there plus the load already queued there.
+    #[default]
     CostAware,
 }
 
@@ -135,9 +135,16 @@ pub struct CachePolicy {
     #[serde(serialize_with = "ser_duration")]
     pub load_stats_max_age: Duration,
     /// CostAware: a request without a distinguishing match goes to its
-    /// rendezvous-preferred member unless that member's load exceeds this
-    /// multiple of the mean load (plus one mean request).
+    /// rendezvous-preferred member unless that member's load, or its recent
+    /// requests, exceed this multiple of the mean (plus one request).
     pub load_bound: f64,
+    /// CostAware: half-life of the recent-requests count that spreads new
+    /// sessions.
+    #[serde(serialize_with = "ser_duration")]
+    pub balance_half_life: Duration,
+    /// CostAware: how much dearer an uncached token gets per request queued
+    /// on the average member.
+    pub contention_weight: f64,
 }
 
 impl Default for CachePolicy {
@@ -158,12 +165,14 @@ impl Default for CachePolicy {
             pressure_weight: 1.0,
             slo_tight_bias: 1.0,
             slo_tight_ttft_ms: 200,
-            ranker: Ranker::Contract,
+            ranker: Ranker::CostAware,
             replica_timeout: Duration::from_secs(30),
             load_weight: 1.0,
             running_weight: 0.2,
             load_stats_max_age: Duration::from_secs(5),
             load_bound: 1.25,
+            balance_half_life: Duration::from_secs(60),
+            contention_weight: 0.25,
         }
     }
 }
@@ -346,6 +355,8 @@ struct RawSpec {
     running_weight: Option<Number>,
     load_stats_max_age: Option<String>,
     load_bound: Option<Number>,
+    balance_half_life: Option<String>,
+    contention_weight: Option<Number>,
 }
 
 #[derive(Deserialize)]
@@ -565,6 +576,13 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
             ));
         }
         policy.load_bound = bound;
+    }
+    if let Some(v) = spec.balance_half_life {
+        policy.balance_half_life =
+            parse_duration(&v).map_err(|r| field_err("spec.balanceHalfLife", r))?;
+    }
+    if let Some(v) = spec.contention_weight {
+        policy.contention_weight = decimal("spec.contentionWeight", v)?;
     }
     Ok(())
 }

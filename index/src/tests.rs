@@ -17,10 +17,14 @@ struct Fixture {
     index: CacheIndex,
 }
 
+/// An empty index under the contract's ranker (the rule-by-rule tests below
+/// pin the contract; `routing` tests the cost-aware ranker).
 fn fixture() -> Fixture {
     let clock = ManualClock::default();
     let index = CacheIndex::new(Arc::new(clock.clone()), DEFAULT_MAX_ENTRIES);
-    Fixture { clock, index }
+    let f = Fixture { clock, index };
+    f.policy("");
+    f
 }
 
 fn h(n: u64) -> Vec<u8> {
@@ -75,9 +79,16 @@ impl Fixture {
         self.index.ingest(&u);
     }
 
+    /// Installs a default policy with `yaml_spec` lines; the contract's
+    /// ranker unless the lines name one.
     fn policy(&self, yaml_spec: &str) {
+        let ranker = if yaml_spec.contains("ranker:") {
+            ""
+        } else {
+            "  ranker: Contract\n"
+        };
         let doc = format!(
-            "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p, namespace: \"*\"}}\nspec:\n{yaml_spec}"
+            "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p, namespace: \"*\"}}\nspec:\n{ranker}{yaml_spec}"
         );
         self.index
             .set_policies(PolicySet::from_yaml(&doc).expect("policy"));

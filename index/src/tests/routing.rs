@@ -112,16 +112,24 @@ fn all_cleared_leaves_the_serving_set() {
 fn a_head_every_member_holds_does_not_decide_the_pick() {
     let f = fixture();
     cost_aware(&f);
+    let twin = fixture();
+    cost_aware(&twin);
     let head = chain(1..4); // a 192-token system prompt on every replica
     for r in ["a", "b", "c", "d"] {
-        announce(&f, r);
-        f.hold(r, &head);
+        for index in [&f, &twin] {
+            announce(index, r);
+            index.hold(r, &head);
+        }
     }
     let mut counts: HashMap<String, usize> = HashMap::new();
     for session in 0..400u64 {
-        // The engines report idle between sessions (stats catch up).
+        // Sessions far apart: the engines report idle and recent-request
+        // counts have decayed, so only the rendezvous hash decides.
+        f.clock.advance(Duration::from_secs(600));
+        twin.clock.advance(Duration::from_secs(600));
         for r in ["a", "b", "c", "d"] {
             load(&f, r, 0, 0);
+            load(&twin, r, 0, 0);
         }
         let mut prompt = head.clone();
         prompt.extend(chain(1000 + session * 10..1000 + session * 10 + 3));
@@ -130,9 +138,19 @@ fn a_head_every_member_holds_does_not_decide_the_pick() {
         *counts
             .entry(o.scores[0].replica_id.to_string())
             .or_default() += 1;
-        // Same session again before anything is stored: the same replica.
+        // Once the engines report again, the same session (nothing stored
+        // yet) lands on the same replica, and so does it on a second server
+        // that saw the same fleet.
+        for r in ["a", "b", "c", "d"] {
+            load(&f, r, 0, 0);
+            load(&twin, r, 0, 0);
+        }
         assert_eq!(
             f.lookup_chain(&prompt).scores[0].replica_id,
+            o.scores[0].replica_id
+        );
+        assert_eq!(
+            twin.lookup_chain(&prompt).scores[0].replica_id,
             o.scores[0].replica_id
         );
     }
@@ -305,4 +323,52 @@ fn a_lookup_over_thousands_of_holders_stays_linear() {
     assert!(o.scores.iter().all(|s| s.matched_tokens == 64 * 64));
     // Behaviour only; the figure is reported, not asserted.
     eprintln!("5000-holder lookup: {:?}", started.elapsed());
+}
+
+#[test]
+fn a_hot_session_on_an_idle_fleet_is_balanced_against_new_ones() {
+    let f = fixture();
+    cost_aware(&f);
+    let members = ["a", "b", "c", "d"];
+    for r in members {
+        announce(&f, r);
+    }
+    // One growing session sends half of all requests; new sessions send the
+    // rest. Every request's blocks are stored where it was routed.
+    let mut long = chain(1..20);
+    f.hold("a", &long);
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let (mut moves, mut last) = (0, "a".to_string());
+    for i in 0..400u64 {
+        f.clock.advance(Duration::from_millis(100));
+        for r in members {
+            load(&f, r, 0, 0);
+        }
+        // Each turn extends the conversation by one block.
+        long.push(h(50_000 + i));
+        let o = f.lookup_chain(&long);
+        let to = o.scores[0].replica_id.to_string();
+        f.hold(&to, &long);
+        if to != last {
+            moves += 1;
+            last = to.clone();
+        }
+        *counts.entry(to).or_default() += 1;
+        let novel = chain(100_000 + i * 10..100_004 + i * 10);
+        let o = f.lookup_chain(&novel);
+        let to = o.scores[0].replica_id.to_string();
+        f.hold(&to, &novel);
+        *counts.entry(to).or_default() += 1;
+    }
+    // The hot session stays with its ever longer cache (a move would cost
+    // all of it) …
+    assert_eq!(moves, 0, "the hot session moved {moves} times");
+    // … and new sessions go to the others, evenly.
+    assert!(counts["a"] <= 410, "requests per replica: {counts:?}");
+    for r in ["b", "c", "d"] {
+        assert!(
+            (110..=150).contains(&counts[r]),
+            "requests per replica: {counts:?}"
+        );
+    }
 }

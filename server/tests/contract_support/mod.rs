@@ -31,12 +31,30 @@ pub struct Harness {
     _dir: tempfile::TempDir,
 }
 
-/// A CachePolicy document for namespace `ns` with `spec` lines (two-space indented).
+/// A CachePolicy document for namespace `ns` with `spec` lines (two-space
+/// indented), under the contract's ranker unless the lines name one: these
+/// tests pin the wire contract's ranking.
 pub fn policy_doc(ns: &str, spec: &str) -> String {
+    let ranker = if spec.contains("ranker:") {
+        ""
+    } else {
+        "  ranker: Contract\n"
+    };
     format!(
-        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p-{}, namespace: \"{ns}\"}}\nspec:\n{spec}",
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: p-{}, namespace: \"{ns}\"}}\nspec:\n{ranker}{spec}",
         ns.replace('*', "default")
     )
+}
+
+/// `policy` with a contract-ranker default prepended when it has none.
+fn with_contract_default(policy: &str) -> String {
+    if policy.contains("namespace: \"*\"") {
+        policy.to_owned()
+    } else if policy.trim().is_empty() {
+        policy_doc("*", "")
+    } else {
+        format!("{}---\n{policy}", policy_doc("*", ""))
+    }
 }
 
 impl Harness {
@@ -49,7 +67,7 @@ impl Harness {
     pub async fn start_with(policy: &str, adjust: impl FnOnce(&mut ServeConfig)) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let policy_path = dir.path().join("policy.yaml");
-        std::fs::write(&policy_path, policy).expect("write policy");
+        std::fs::write(&policy_path, with_contract_default(policy)).expect("write policy");
         let clock = ManualClock::default();
         let mut config = ServeConfig::ephemeral();
         config.index.policy_file = Some(policy_path.clone());
