@@ -155,7 +155,8 @@ impl Fleet {
     }
 
     /// Removes `replica` from the serving sets of the pairs that match
-    /// (`None` matches every tenant / model). Returns how many it left.
+    /// (`None` matches every tenant / model); a replica left in none has
+    /// its record dropped too. Returns how many sets it left.
     pub fn leave(
         &mut self,
         replica: ReplicaId,
@@ -163,14 +164,20 @@ impl Fleet {
         model: Option<NameId>,
     ) -> usize {
         let mut left = 0;
+        let mut still_member = false;
         self.members.retain(|&[t, m], members| {
             if tenant.is_none_or(|x| x == t) && model.is_none_or(|x| x == m) {
                 let before = members.len();
                 members.retain(|member| member.replica != replica);
                 left += before - members.len();
+            } else if members.iter().any(|member| member.replica == replica) {
+                still_member = true;
             }
             !members.is_empty()
         });
+        if !still_member {
+            self.records.remove(&replica);
+        }
         left
     }
 
@@ -255,8 +262,13 @@ mod tests {
         assert_eq!(fleet.memberships_of(1), vec![[10, 20], [11, 20]]);
         assert_eq!(fleet.leave(1, Some(10), None), 1);
         assert_eq!(fleet.members(10, 20).len(), 1);
+        fleet.heard(1, 5);
         assert_eq!(fleet.leave(1, None, None), 1);
         assert!(fleet.members(11, 20).is_empty());
+        assert!(
+            !fleet.records.contains_key(&1),
+            "a replica in no set keeps no record"
+        );
     }
 
     #[test]
