@@ -19,7 +19,33 @@
 //! - sequence gaps are filled from the engine's replay socket; ZMQ and gRPC
 //!   connections are re-established with backoff; while the server is away a
 //!   bounded buffer holds pending work (oldest dropped, counted) and the whole
-//!   tracked state is re-sent once it is back.
+//!   tracked state is re-sent once it is back;
+//! - a subscriber that starts (or restarts) after its engine asks the replay
+//!   socket for everything from sequence 0 when its first frame is later
+//!   than 0, so blocks stored while it was away are not lost.
+//!
+//! Fleet membership: at start (and on every reconnect) the replica is
+//! announced with a `ReportCacheState` update carrying tenant, model, hash
+//! scheme, replica id and no prefixes (with the engine's load when known);
+//! `PublishEvent(REPLICA_UPDATED)` naming tenant and model is sent every
+//! `--heartbeat-interval` (default 5s — keep it well below the server's
+//! `replicaTimeout`, default 30s, or the replica drops out of the serving
+//! set between beats); after any `ALL_CLEARED` the replica is announced
+//! again (it is alive, with an empty cache); on SIGTERM / SIGINT and
+//! [`Subscriber::shutdown`] it says goodbye with `PublishEvent(ALL_CLEARED)`,
+//! best effort within 3s.
+//!
+//! Load: with `--engine-metrics-url` the engine's Prometheus page is scraped
+//! every `--metrics-interval` (default 1s) and sent as `ReplicaStats` in a
+//! stats-only update. The metric mapping (vLLM old and new names, SGLang)
+//! and the `pressure` formula, `max(kv_cache_usage, waiting / (waiting +
+//! running + 1))`, are documented in [`load`]; [`exposition`] is the
+//! text-format reader.
+//!
+//! Security: `--server https://...` uses TLS (rustls, `ring`), verified
+//! against `--tls-ca` or the system roots; `--tls-cert` / `--tls-key` add a
+//! client certificate (mutual TLS); `--token-file` sends `authorization:
+//! Bearer <token>` on every call, re-read on each reconnect.
 //!
 //! Main types: [`SubscribeArgs`] (the `inference-cache subscribe` flags),
 //! [`Settings`] (validated), [`Subscriber`] (a running instance) and
@@ -45,8 +71,8 @@ mod args;
 mod client;
 mod decode;
 mod event;
-mod exposition;
-mod load;
+pub mod exposition;
+pub mod load;
 mod metrics;
 mod pipeline;
 mod report;

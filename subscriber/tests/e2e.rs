@@ -276,3 +276,127 @@ async fn e2e_server_restart_mid_stream() {
     sub.shutdown().await;
     server.kill();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_engine_load_reaches_get_cache_state() {
+    use inference_cache_proto::v1alpha1::GetCacheStateRequest;
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let page = MetricsPage::start(&fixture("vllm_v1_dp2_metrics.txt"));
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(
+        &publisher,
+        addr,
+        false,
+        &[
+            "--engine-metrics-url",
+            &page.url(),
+            "--metrics-interval",
+            "200ms",
+        ],
+    )
+    .await;
+    publisher.wait_subscriber(1);
+    let tokens = prompt(31);
+    publisher.publish(json!([stored(&hashes(800), None, &tokens)]), "array");
+    let mut client = InferenceCacheClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    let deadline = std::time::Instant::now() + WAIT;
+    let stats = loop {
+        let state = client
+            .get_cache_state(GetCacheStateRequest {
+                tenant_id: "team-a".into(),
+                model_id: "qwen3".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("GetCacheState")
+            .into_inner();
+        let stats = state
+            .replicas
+            .into_iter()
+            .find(|r| r.replica_id == "replica-a" && r.requests_running > 0);
+        if let Some(stats) = stats {
+            break stats;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine load never reached GetCacheState"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(stats.requests_waiting, 4);
+    assert_eq!(stats.requests_running, 16);
+    assert!((stats.kv_cache_usage - 0.6).abs() < 1e-6);
+    assert!((stats.pressure - 0.6).abs() < 1e-6);
+    assert!((stats.hit_rate - 0.25).abs() < 1e-6);
+    sub.shutdown().await;
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_sigterm_of_the_subscribe_process_says_goodbye() {
+    use inference_cache_proto::v1alpha1::cache_event::Type as EventType;
+    let server = RecordingServer::start("127.0.0.1:0".parse().unwrap()).await;
+    let mut child = std::process::Command::new(server_binary())
+        .args([
+            "subscribe",
+            "--endpoint",
+            "tcp://127.0.0.1:1",
+            "--server",
+            &format!("http://{}", server.addr),
+            "--replica-id",
+            "replica-a",
+            "--tenant",
+            "team-a",
+            "--model",
+            "qwen3",
+            "--metrics-listen",
+            "off",
+        ])
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn inference-cache subscribe");
+    assert!(
+        eventually(WAIT, || !server.received().announcements().is_empty()).await,
+        "the subscribe process never announced its replica"
+    );
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "inference-cache subscribe did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "exit status {status:?}");
+    let received = server.received();
+    assert_eq!(
+        received.arrivals.last(),
+        Some(&Arrival::Event(EventType::AllCleared as i32)),
+        "no goodbye: {:?}",
+        received.arrivals
+    );
+    let mut log = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut log)
+        .expect("read stderr");
+    assert!(log.contains("ALL_CLEARED"), "{log}");
+    server.kill().await;
+}
