@@ -251,13 +251,13 @@ impl ReplayArgs {
         let policy_set = match &self.policy_file {
             None => PolicySet::default(),
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ReplayError::Io {
+                let text = std::fs::read_to_string(path).map_err(|error| ReplayError::Io {
                     path: path.clone(),
-                    source,
+                    error,
                 })?;
-                PolicySet::from_yaml(&text).map_err(|source| ReplayError::Policy {
+                PolicySet::from_yaml(&text).map_err(|error| ReplayError::Policy {
                     path: path.clone(),
-                    source,
+                    error,
                 })?
             }
         };

@@ -8,20 +8,20 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum ReplayError {
     /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The operating-system error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A trace line is not a valid Mooncake record.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {error}", path.display())]
     Trace {
         /// The trace file.
         path: PathBuf,
         /// Line, field and reason.
-        source: TraceError,
+        error: TraceError,
     },
     /// A flag value is out of range or contradicts another flag.
     #[error("--{flag}: {reason}")]
@@ -32,12 +32,12 @@ pub enum ReplayError {
         reason: String,
     },
     /// The `--policy-file` could not be accepted.
-    #[error("--policy-file {}: {source}", path.display())]
+    #[error("--policy-file {}: {error}", path.display())]
     Policy {
         /// The policy file.
         path: PathBuf,
         /// The parse error, naming document and field.
-        source: inference_cache_index::PolicyError,
+        error: inference_cache_index::PolicyError,
     },
     /// A call to the `--server` failed.
     #[error("server {endpoint}: {message}")]
@@ -59,4 +59,19 @@ pub struct TraceError {
     pub field: Option<&'static str>,
     /// What is wrong.
     pub reason: String,
+}
+
+/// `error` and its sources, joined by `: `.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        next = cause.source();
+    }
+    text
 }

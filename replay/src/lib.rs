@@ -150,15 +150,15 @@ pub fn load_trace(settings: &ReplaySettings) -> Result<Trace, ReplayError> {
             block_size,
             limit,
         } => {
-            let file = std::fs::File::open(path).map_err(|source| ReplayError::Io {
+            let file = std::fs::File::open(path).map_err(|error| ReplayError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             let mut trace =
-                Trace::from_jsonl(BufReader::new(file), *block_size).map_err(|source| {
+                Trace::from_jsonl(BufReader::new(file), *block_size).map_err(|error| {
                     ReplayError::Trace {
                         path: path.clone(),
-                        source,
+                        error,
                     }
                 })?;
             if let Some(limit) = limit {
@@ -193,9 +193,9 @@ fn run_info(settings: &ReplaySettings, trace: &Trace) -> RunInfo {
 }
 
 fn write_file(path: &std::path::Path, contents: &[u8]) -> Result<(), ReplayError> {
-    std::fs::write(path, contents).map_err(|source| ReplayError::Io {
+    std::fs::write(path, contents).map_err(|error| ReplayError::Io {
         path: path.to_owned(),
-        source,
+        error,
     })
 }
 
@@ -213,9 +213,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), ReplayError> {
             let mut out = Vec::new();
             trace
                 .write_jsonl(&mut out)
-                .map_err(|source| ReplayError::Io {
+                .map_err(|error| ReplayError::Io {
                     path: path.clone(),
-                    source,
+                    error,
                 })?;
             write_file(path, &out)?;
         }

@@ -23,7 +23,7 @@ use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClien
 use tokio::runtime::Handle;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::error::ReplayError;
+use crate::error::{ReplayError, error_chain};
 use crate::routed::{Answer, Backend, HASH_SCHEME, MODEL, TENANT};
 
 /// A policy server reached over gRPC.
@@ -47,7 +47,7 @@ impl Remote {
             .connect_timeout(std::time::Duration::from_secs(5))
             .connect()
             .await
-            .map_err(|e| error(format!("cannot connect: {e}")))?;
+            .map_err(|e| error(format!("cannot connect: {}", error_chain(&e))))?;
         Ok(Self {
             runtime: Handle::current(),
             client: InferenceCacheClient::new(channel),

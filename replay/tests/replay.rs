@@ -344,3 +344,81 @@ fn random_policy_is_seeded() {
     assert_eq!(a[0].requests_per_replica, b[0].requests_per_replica);
     assert_ne!(a[0].requests_per_replica, c[0].requests_per_replica);
 }
+
+#[test]
+fn a_bad_trace_file_is_reported_with_file_line_and_field_once() {
+    let path = std::env::temp_dir().join(format!("replay-bad-{}.jsonl", std::process::id()));
+    std::fs::write(
+        &path,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}\n",
+    )
+    .expect("temp file");
+    let args = <ReplayArgsParser as clap::Parser>::parse_from([
+        "replay",
+        "--trace",
+        path.to_str().expect("utf-8 temp path"),
+    ]);
+    let settings = args.args.resolve().expect("valid flags");
+    let error = load_trace(&settings).expect_err("line 2 is inconsistent");
+    std::fs::remove_file(&path).ok();
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&path.display().to_string()),
+        "{message}"
+    );
+    assert_eq!(
+        message.matches("line 2, field `hash_ids`").count(),
+        1,
+        "{message}"
+    );
+    assert!(std::error::Error::source(&error).is_none());
+}
+
+#[test]
+fn flags_are_validated() {
+    let parse = |extra: &[&str]| {
+        let mut argv = vec!["replay", "--synthetic"];
+        argv.extend_from_slice(extra);
+        <ReplayArgsParser as clap::Parser>::try_parse_from(argv)
+            .map_err(|e| e.to_string())
+            .and_then(|a| a.args.resolve().map_err(|e| e.to_string()))
+    };
+    let ok = parse(&["--tpot", "25ms", "--policies", "round-robin,contract"]).expect("valid");
+    assert_eq!(
+        ok.policies,
+        [Policy::RoundRobin, Policy::InferenceCacheContract]
+    );
+    assert_eq!(ok.sim.model.tpot_ms, 25.0);
+    assert_eq!(ok.policies.len(), 2);
+    assert_eq!(parse(&[]).expect("defaults").policies, Policy::ALL);
+    for (bad, needle) in [
+        (&["--replicas", "0"][..], "--replicas"),
+        (&["--capacity-blocks", "0"], "--capacity-blocks"),
+        (&["--speedup", "0"], "--speedup"),
+        (&["--policies", "random,random"], "twice"),
+        (&["--policies", "nope"], "unknown policy"),
+        (
+            &["--server", "http://127.0.0.1:1", "--policies", "contract"],
+            "in-process",
+        ),
+        (&["--trace", "x.jsonl"], "cannot be used with"),
+    ] {
+        let error = parse(bad).expect_err(needle);
+        assert!(error.contains(needle), "{bad:?}: {error}");
+    }
+    let server = parse(&["--server", "http://127.0.0.1:1"]).expect("valid");
+    assert!(
+        server
+            .policies
+            .iter()
+            .all(|p| p.ranker_override().is_none())
+    );
+}
+
+/// A stand-alone parser around the flags, as the binary's subcommand is.
+#[derive(clap::Parser)]
+struct ReplayArgsParser {
+    #[command(flatten)]
+    args: ReplayArgs,
+}
