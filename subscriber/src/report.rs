@@ -106,7 +106,8 @@ impl Reporter {
         }
     }
 
-    /// Runs until `shutdown` flips to true; then finishes the open stream.
+    /// Runs until `shutdown` flips to true; then says goodbye (finishes the
+    /// open stream and sends `ALL_CLEARED`).
     pub(crate) async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut connected_once = false;
@@ -118,7 +119,11 @@ impl Reporter {
                 break;
             }
             if self.client.is_none() {
-                match self.connect().await {
+                let connected = tokio::select! {
+                    connected = self.connect() => connected,
+                    _ = shutdown.changed() => break,
+                };
+                match connected {
                     Ok(client) => {
                         self.client = Some(client);
                         if connected_once {
@@ -157,10 +162,13 @@ impl Reporter {
                 && Instant::now() >= due
             {
                 next_heartbeat = Some(Instant::now() + interval);
-                if let Err(error) = self.heartbeat().await {
-                    self.fail(&error);
-                    backoff.wait(&mut shutdown).await;
-                    continue;
+                match self.heartbeat().await {
+                    Ok(()) => backoff.reset(),
+                    Err(error) => {
+                        self.fail(&error);
+                        backoff.wait(&mut shutdown).await;
+                        continue;
+                    }
                 }
             }
             if let (Some(due), Some(interval)) = (next_refresh, self.settings.refresh_interval)
