@@ -178,6 +178,62 @@ pub struct EnvoySetup {
     pub expose_reason: bool,
     /// The tenant in the route's metadata (the shipped file has `default`).
     pub route_tenant: Option<String>,
+    /// TLS to the server: the shipped file's commented variant, enabled.
+    pub server_tls: Option<ServerTls>,
+}
+
+/// How Envoy's cluster for the server uses TLS.
+pub struct ServerTls {
+    /// Holds `ca.pem`, and `gateway.pem` / `gateway-key.pem` (the client
+    /// certificate), the names the shipped variant uses.
+    pub dir: PathBuf,
+    /// Whether Envoy presents the client certificate.
+    pub client_certificate: bool,
+    /// The plugin's `grpc_authority` (a name in the server's certificate).
+    pub authority: String,
+}
+
+/// The shipped file's commented `transport_socket` for the server's
+/// cluster, uncommented, with its files in `tls.dir`.
+fn enable_server_tls(text: &str, tls: &ServerTls) -> anyhow::Result<String> {
+    const FIRST: &str = "    # transport_socket:\n";
+    let start = text
+        .find(FIRST)
+        .ok_or_else(|| anyhow!("envoy/envoy.yaml: no commented transport_socket"))?;
+    let end = start
+        + text[start..]
+            .find("\n\n")
+            .ok_or_else(|| anyhow!("envoy/envoy.yaml: transport_socket block does not end"))?;
+    let mut block = String::new();
+    let mut skip = 0;
+    for line in text[start..end].lines() {
+        let line = line
+            .strip_prefix("    # ")
+            .ok_or_else(|| anyhow!("envoy/envoy.yaml: `{line}` inside the TLS block"))?;
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
+        if !tls.client_certificate && line.trim() == "tls_certificates:" {
+            skip = 2;
+            continue;
+        }
+        block.push_str("    ");
+        block.push_str(line);
+        block.push('\n');
+    }
+    let dir = format!("{}/", tls.dir.display());
+    let block = block.replace("/etc/inference-cache/", &dir);
+    let mut text = format!("{}{}{}", &text[..start], block, &text[end + 1..]);
+    text = replace_once(
+        &text,
+        "\"grpc_cluster\": \"inference_cache\",",
+        &format!(
+            "\"grpc_cluster\": \"inference_cache\", \"grpc_authority\": \"{}\",",
+            tls.authority
+        ),
+    )?;
+    Ok(text)
 }
 
 /// A running Envoy, killed on drop.
@@ -258,6 +314,9 @@ pub fn render_bootstrap(
         "path: /dev/stdout",
         &format!("path: {}", dir.join(ACCESS_LOG).display()),
     )?;
+    if let Some(tls) = &setup.server_tls {
+        text = enable_server_tls(&text, tls)?;
+    }
     if let Some(tenant) = &setup.route_tenant {
         text = replace_once(
             &text,

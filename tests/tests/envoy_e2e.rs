@@ -28,8 +28,8 @@ use inference_cache_proto::v1alpha1::{
 };
 use inference_cache_tests::{Holder, TestServer, hold_tokens};
 use proxy_wasm_host_envoy::{
-    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, free_port, split_body,
-    tokens_body,
+    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, ServerTls, free_port,
+    split_body, tokens_body,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -76,6 +76,7 @@ fn setup(grpc: SocketAddr, pool: [SocketAddr; 3], timeout_ms: u64, expose: bool)
         with_filter: true,
         expose_reason: expose,
         route_tenant: None,
+        server_tls: None,
     }
 }
 
@@ -731,5 +732,125 @@ async fn server_slower_than_the_timeout_fails_open_in_time() -> anyhow::Result<(
     }
     println!("slowest request with a {timeout_ms} ms lookup budget: {worst:?}");
     slow.abort();
+    Ok(())
+}
+
+/// The name in the server's certificate, as envoy/envoy.yaml's TLS variant expects it.
+const SERVER_NAME: &str = "inference-cache.internal";
+
+/// A throw-away CA, a server certificate for [`SERVER_NAME`] and the
+/// gateway's client certificate, as the PEM files envoy/envoy.yaml's TLS
+/// variant names (`ca.pem`, `gateway.pem`, `gateway-key.pem`) plus
+/// `server.pem` / `server-key.pem`.
+fn test_pki() -> anyhow::Result<tempfile::TempDir> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+        IsCa, KeyPair, KeyUsagePurpose,
+    };
+    let dir = tempfile::tempdir()?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    ca.distinguished_name
+        .push(DnType::CommonName, "gateway test CA");
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate()?)?;
+    std::fs::write(dir.path().join("ca.pem"), ca.pem())?;
+    for (stem, name, usage) in [
+        ("server", SERVER_NAME, ExtendedKeyUsagePurpose::ServerAuth),
+        (
+            "gateway",
+            "gateway.llm-gateway",
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ),
+    ] {
+        let mut params = CertificateParams::new(vec![name.to_owned()])?;
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![usage];
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &ca)?;
+        std::fs::write(dir.path().join(format!("{stem}.pem")), cert.pem())?;
+        std::fs::write(
+            dir.path().join(format!("{stem}-key.pem")),
+            key.serialize_pem(),
+        )?;
+    }
+    Ok(dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filter_reaches_a_tls_server_with_its_client_certificate() -> anyhow::Result<()> {
+    use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+    let _serial = SERIAL.lock().await;
+    let pki = test_pki()?;
+    let file = |name: &str| pki.path().join(name);
+    let mut config = inference_cache_server::ServeConfig::ephemeral();
+    config.security.tls = Some(inference_cache_server::TlsFiles {
+        cert: file("server.pem"),
+        key: file("server-key.pem"),
+        client_ca: Some(file("ca.pem")),
+    });
+    let server = TestServer::start_with(config).await?;
+
+    // Feed the index over mTLS, as a producer would.
+    let pem = |name: &str| std::fs::read_to_string(file(name));
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pem("ca.pem")?))
+        .identity(Identity::from_pem(
+            pem("gateway.pem")?,
+            pem("gateway-key.pem")?,
+        ))
+        .domain_name(SERVER_NAME);
+    let channel = Channel::from_shared(format!("https://{}", server.grpc_addr()))?
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    let held: Vec<u32> = (0..128).collect();
+    let holder = Holder {
+        replica: "replica-b",
+        tenant: TENANT,
+        model: MODEL,
+        adapter: "",
+    };
+    hold_tokens(&mut InferenceCacheClient::new(channel), holder, &held).await?;
+
+    let backends = backends().await?;
+    let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
+    for client_certificate in [true, false] {
+        let mut tls_setup = setup(server.grpc_addr(), pool, 500, true);
+        tls_setup.server_tls = Some(ServerTls {
+            dir: pki.path().to_path_buf(),
+            client_certificate,
+            authority: SERVER_NAME.into(),
+        });
+        let envoy = Envoy::start(&tls_setup).await?;
+        let context = || format!("envoy log:\n{}", envoy.log_tail());
+        let mut client = HttpClient::connect(envoy.addr).await?;
+        for _ in 0..3 {
+            let response = client
+                .post("/v1/completions", &[], tokens_body(MODEL, &held))
+                .await?;
+            if client_certificate {
+                response.assert_routed("PREFIX_MATCH", "replica-b", context);
+            } else {
+                // The server refuses the handshake; the request fails open.
+                assert_eq!(response.status, 200, "{}", context());
+                assert_eq!(response.header(REASON), Some("GRPC_ERROR"), "{}", context());
+            }
+        }
+        // Envoy spoke TLS to the server: a completed handshake, or one the
+        // server ended for want of a client certificate.
+        let completed = envoy.stat("cluster.inference_cache.ssl.handshake").await?;
+        let failed = envoy
+            .stat("cluster.inference_cache.ssl.connection_error")
+            .await?;
+        if client_certificate {
+            assert!(completed >= 1, "no TLS handshake: {}", context());
+        } else {
+            assert_eq!(completed, 0, "{}", context());
+            assert!(failed >= 1, "no refused handshake: {}", context());
+        }
+    }
     Ok(())
 }

@@ -188,6 +188,7 @@ async fn filter_overhead() -> anyhow::Result<()> {
         with_filter,
         expose_reason: true,
         route_tenant: None,
+        server_tls: None,
     };
     let with = Envoy::start(&setup(true)).await?;
     let without = Envoy::start(&setup(false)).await?;
