@@ -118,3 +118,102 @@ fn serves_then_drains_on_sigterm() {
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(rest.iter().any(|l| l.contains("stopped")), "{rest:?}");
 }
+
+/// GET `path` on `addr`; the status line, or `None` when nothing accepts.
+fn get_status(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .ok()?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).ok()?;
+    reply.lines().next().map(str::to_owned)
+}
+
+#[test]
+fn sigterm_fails_readiness_before_the_listeners_close() {
+    let mut child = Command::new(BIN)
+        .args([
+            "--log-format",
+            "json",
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--admin-addr",
+            "127.0.0.1:0",
+            "--shutdown-delay",
+            "1s",
+            "--drain-timeout",
+            "1s",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn server");
+    let stderr = child.stderr.take().expect("stderr piped");
+    let mut lines = BufReader::new(stderr).lines();
+    let mut warned = false;
+    let serving = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .inspect(|line| warned |= line.contains("PRODUCERS ARE UNAUTHENTICATED"))
+        .find(|line| line.contains("\"serving\""))
+        .expect("a 'serving' log line");
+    assert!(
+        warned,
+        "no start-up warning about unauthenticated producers"
+    );
+    let log: serde_json::Value = serde_json::from_str(&serving).expect("JSON log line");
+    let admin = log["fields"]["admin_addr"]
+        .as_str()
+        .expect("admin_addr field")
+        .to_owned();
+    let grpc = log["fields"]["grpc_addr"]
+        .as_str()
+        .expect("grpc_addr field")
+        .to_owned();
+    assert_eq!(
+        get_status(&admin, "/readyz").as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+
+    let sent = std::time::Instant::now();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    assert!(status.is_ok_and(|s| s.success()));
+    // Not ready at once, while both listeners still accept.
+    let deadline = sent + Duration::from_millis(500);
+    loop {
+        let readyz = get_status(&admin, "/readyz");
+        if readyz.as_deref() == Some("HTTP/1.1 503 Service Unavailable") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "readyz still {readyz:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(sent.elapsed() < Duration::from_millis(900));
+    assert!(
+        std::net::TcpStream::connect(&grpc).is_ok(),
+        "gRPC stopped accepting during the delay"
+    );
+    let deadline = sent + Duration::from_secs(10);
+    loop {
+        if let Some(exit) = child.try_wait().expect("wait") {
+            assert!(exit.success(), "exit status {exit}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "server did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        sent.elapsed() >= Duration::from_secs(1),
+        "{:?}",
+        sent.elapsed()
+    );
+}

@@ -829,3 +829,54 @@ async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
     drop(tx);
     assert!(tokio::net::TcpStream::connect(admin).await.is_err());
 }
+
+#[tokio::test]
+async fn auth_file_is_reread_on_change() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let principal = |token: &str| {
+        let digest: String = {
+            use std::fmt::Write as _;
+            let hash = <sha2::Sha256 as sha2::Digest>::digest(token.as_bytes());
+            hash.iter().fold(String::new(), |mut s, b| {
+                let _ = write!(s, "{b:02x}");
+                s
+            })
+        };
+        format!(
+            "principals:\n- {{name: p, tokenSha256: {digest}, tenants: [{T}], replicas: [\"*\"]}}\n"
+        )
+    };
+    let path = write(dir.path(), "auth.yaml", &principal("first"));
+    let auth_path = path.clone();
+    let h = Harness::start_with(&open_policy(), |c| c.security.auth_file = Some(auth_path)).await;
+    let report = |token: &'static str| {
+        let mut client = h.client.clone();
+        async move {
+            client
+                .report_cache_state(bearer(tokio_stream::iter(vec![update("A", vec![])]), token))
+                .await
+                .map(|_| ())
+                .map_err(|s| s.code())
+        }
+    };
+    assert_eq!(report("first").await, Ok(()));
+    assert_eq!(report("second").await, Err(Code::Unauthenticated));
+    // Replace by rename, as editors and Kubernetes secrets do.
+    let staged = write(dir.path(), "auth.yaml.new", &principal("second"));
+    std::fs::rename(&staged, &path).expect("rename");
+    let mut accepted = false;
+    for _ in 0..100 {
+        if report("second").await.is_ok() {
+            accepted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(accepted, "the new token was never accepted");
+    assert_eq!(report("first").await, Err(Code::Unauthenticated));
+    // A broken edit keeps the last good file.
+    std::fs::write(&path, "principals: [{name: broken}]").expect("write");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(report("second").await, Ok(()));
+    h.stop().await;
+}
