@@ -9,7 +9,7 @@
 //! | `hash_bytes` | a wider hash in the chain / `prefix_hash`: `NO_HINT` | the entry is dropped |
 //! | `chain_blocks` | the chain is cut to its first N blocks (still a prefix) | the entry is dropped |
 //! | `token_ids` | the ids are cut to the first N (still a prefix) | — |
-//! | `prompt_bytes` / `chat_messages` | not tokenized: `NO_HINT` | — |
+//! | `prompt_bytes` / `chat_messages` | not tokenized: `NO_HINT` (a chat counts its messages, tools, documents and template kwargs) | — |
 //! | `update_entries` | — | entries past the N-th of one update are dropped |
 //! | `template_variables` | RenderTemplate answers `RENDER_ERROR` | — |
 //! | `tokenize_concurrency` | all tokenization slots busy: `TIMEOUT` at once | — |
@@ -324,14 +324,27 @@ pub fn bound_update(
     }
 }
 
-/// Total bytes of a text input (all message contents together for a chat).
+/// Bytes the server would template and tokenize for a lookup's text input,
+/// by the input precedence: a chat (`messages_json`, else the `messages`
+/// roles and contents) together with its `tools_json`, `documents_json` and
+/// `chat_template_kwargs_json`; else `raw_prompt`; else `prompt_text`.
 pub fn prompt_bytes(request: &inference_cache_proto::v1alpha1::LookupRouteRequest) -> usize {
-    if !request.messages.is_empty() {
+    let chat_extras = [
+        &request.tools_json,
+        &request.documents_json,
+        &request.chat_template_kwargs_json,
+    ]
+    .iter()
+    .map(|s| s.len())
+    .fold(0usize, usize::saturating_add);
+    if !request.messages_json.is_empty() {
+        request.messages_json.len().saturating_add(chat_extras)
+    } else if !request.messages.is_empty() {
         request
             .messages
             .iter()
             .map(|m| m.content.len().saturating_add(m.role.len()))
-            .fold(0usize, usize::saturating_add)
+            .fold(chat_extras, usize::saturating_add)
     } else if !request.raw_prompt.is_empty() {
         request.raw_prompt.len()
     } else {
@@ -343,6 +356,27 @@ pub fn prompt_bytes(request: &inference_cache_proto::v1alpha1::LookupRouteReques
 mod tests {
     use super::*;
     use inference_cache_index::{CacheUpdate, PrefixReport, ReplicaStatsReport};
+
+    #[test]
+    fn prompt_bytes_follow_the_input_precedence() {
+        use inference_cache_proto::v1alpha1::{ChatMessage, LookupRouteRequest};
+        let mut r = LookupRouteRequest {
+            prompt_text: "x".repeat(10),
+            ..Default::default()
+        };
+        assert_eq!(prompt_bytes(&r), 10);
+        r.raw_prompt = "y".repeat(20);
+        assert_eq!(prompt_bytes(&r), 20);
+        r.tools_json = "t".repeat(5);
+        r.messages.push(ChatMessage {
+            role: "user".into(),
+            content: "z".repeat(30),
+        });
+        assert_eq!(prompt_bytes(&r), 5 + 4 + 30);
+        r.messages_json = "m".repeat(100);
+        r.documents_json = "d".repeat(7);
+        assert_eq!(prompt_bytes(&r), 100 + 5 + 7);
+    }
 
     #[test]
     fn stats_fractions_are_checked() {
