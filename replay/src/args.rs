@@ -10,6 +10,7 @@ use inference_cache_index::{PolicySet, parse_duration};
 use crate::error::ReplayError;
 use crate::policy::Policy;
 use crate::replica::ServingModel;
+use crate::routed::ReportAt;
 use crate::sim::{DEFAULT_PREFILL_TPS, DEFAULT_STATS_INTERVAL_MS, SimConfig};
 use crate::synthetic::{
     DEFAULT_AGENT_SHARE, DEFAULT_RATE, DEFAULT_REQUESTS, DEFAULT_SESSIONS, DEFAULT_SYSTEM_PROMPTS,
@@ -96,6 +97,11 @@ pub struct ReplayArgs {
     /// Simulated time between each replica's load reports to the index.
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     pub stats_interval: Duration,
+
+    /// When the index learns of a replica's admissions and evictions: at
+    /// routing time, or when the request's prefill completes (as engines report).
+    #[arg(long, value_enum, default_value_t = ReportAt::Routing)]
+    pub report_at: ReportAt,
 
     /// Rows to compare, comma-separated: inference-cache, inference-cache-contract,
     /// inference-cache-cost-aware, round-robin, random, least-loaded, session-hash,
@@ -273,6 +279,7 @@ impl ReplayArgs {
                 speedup,
                 stats_interval_ms,
                 seed: self.seed,
+                report_at: self.report_at,
             },
             policies,
             policy_set,

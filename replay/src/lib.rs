@@ -58,7 +58,7 @@ pub use lru::BlockLru;
 pub use policy::{Policy, RouteContext, Router};
 pub use replica::{Load, Replica, Served, ServingModel};
 pub use report::{RunInfo, format_ms, render_json, render_table};
-pub use routed::{Answer, Backend, HASH_SCHEME, IndexRouter, MODEL, TENANT, replica_id};
+pub use routed::{Answer, Backend, HASH_SCHEME, IndexRouter, MODEL, ReportAt, TENANT, replica_id};
 pub use sim::{
     DEFAULT_PREFILL_TPS, DEFAULT_STATS_INTERVAL_MS, DEFAULT_TPOT_MS, PolicyResult, ReasonShare,
     SimConfig, Spread, TtftSummary, fill_oracle_ratios, policies_for, simulate, simulate_with,
@@ -113,7 +113,8 @@ fn run_rows(
                     };
                     let result = match taken {
                         Some(backend) => {
-                            let mut router = IndexRouter::new(backend, config.replicas);
+                            let mut router =
+                                IndexRouter::new(backend, config.replicas, config.report_at);
                             simulate_with(trace, policy, config, &mut router, progress)
                         }
                         None => simulate(trace, policy, config, policy_set, progress),
@@ -185,6 +186,10 @@ fn run_info(settings: &ReplaySettings, trace: &Trace) -> RunInfo {
         tpot_ms: settings.sim.model.tpot_ms,
         speedup: settings.sim.speedup,
         stats_interval_ms: settings.sim.stats_interval_ms,
+        report_at: match settings.sim.report_at {
+            ReportAt::Routing => "routing",
+            ReportAt::PrefillEnd => "prefill-end",
+        },
         index: settings
             .server
             .clone()

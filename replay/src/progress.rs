@@ -1,7 +1,8 @@
 //! A self-drawn progress bar on stderr for long replays: one line redrawn
-//! five times a second from a shared counter of requests replayed (summed
-//! over the policies running in parallel). Drawn only when stderr is a
-//! terminal; otherwise nothing is printed and no thread is started.
+//! five times a second, from the first second on, from a shared counter of
+//! requests replayed (summed over the policies running in parallel). Drawn
+//! only when stderr is a terminal; otherwise nothing is printed and no thread
+//! is started.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
@@ -59,6 +60,9 @@ fn draw_until(done: &AtomicU64, stop: &AtomicBool, total: u64) {
     let mut stderr = std::io::stderr();
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(200));
+        if started.elapsed() < Duration::from_secs(1) {
+            continue;
+        }
         let n = done.load(Ordering::Relaxed).min(total);
         let fraction = if total == 0 {
             1.0
@@ -76,6 +80,8 @@ fn draw_until(done: &AtomicU64, stop: &AtomicBool, total: u64) {
         );
         let _ = stderr.flush();
     }
-    let _ = write!(stderr, "\r{}\r", " ".repeat(WIDTH + 60));
+    if started.elapsed() >= Duration::from_secs(1) {
+        let _ = write!(stderr, "\r{}\r", " ".repeat(WIDTH + 60));
+    }
     let _ = stderr.flush();
 }

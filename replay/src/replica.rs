@@ -144,6 +144,11 @@ impl Replica {
         prefill_end_ms - now_ms
     }
 
+    /// When the last queued prefill ends (the replica's FIFO drains), milliseconds.
+    pub fn prefill_end_ms(&self) -> f64 {
+        self.busy_until_ms
+    }
+
     /// Load as of the last `advance`.
     pub fn load(&self) -> Load {
         let waiting = self.prefilling.len() as u32;

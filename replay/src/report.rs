@@ -31,6 +31,8 @@ pub struct RunInfo {
     pub speedup: f64,
     /// Load report interval, simulated milliseconds.
     pub stats_interval_ms: f64,
+    /// When the index learns of admissions: `routing` or `prefill-end`.
+    pub report_at: &'static str,
     /// `in-process` or the server URL.
     pub index: String,
 }
@@ -61,7 +63,7 @@ pub fn render_table(run: &RunInfo, results: &[PolicyResult]) -> String {
     let _ = writeln!(
         out,
         "{}: {} requests, {} blocks of {} tokens; {} replicas × {} blocks; prefill {} tok/s, \
-         tpot {} ms, speedup {}; index {}",
+         tpot {} ms, speedup {}; index {}, fed at {}",
         run.source,
         run.requests,
         run.blocks,
@@ -72,6 +74,7 @@ pub fn render_table(run: &RunInfo, results: &[PolicyResult]) -> String {
         run.tpot_ms,
         run.speedup,
         run.index,
+        run.report_at,
     );
     let header = [
         "policy",

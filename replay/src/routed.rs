@@ -10,18 +10,20 @@
 //! - when a replica admits a request, the blocks it newly stored are ingested
 //!   as one chain (`PrefixReport { block_hashes, block_token_counts }`,
 //!   hash ids as 8-byte big-endian values) and every block it evicted is
-//!   published as `PREFIX_EVICTED`. Admission is modelled at routing time
-//!   (the moment the replica's cache changes in the simulation), so the index
-//!   sees a replica's new blocks before the next request is routed; in a real
-//!   fleet they arrive when the prefill completes. Blocks that were already
-//!   held are not re-reported, as the engine emits no event for a cache hit.
+//!   published as `PREFIX_EVICTED`. With [`ReportAt::Routing`] the index
+//!   learns of them at once (the moment the replica's cache changes in the
+//!   simulation), before the next request is routed; with
+//!   [`ReportAt::PrefillEnd`] they are held back until the request's prefill
+//!   completes, as a real engine reports them, and delivered in order per
+//!   replica. Blocks that were already held are not re-reported, as the
+//!   engine emits no event for a cache hit.
 //!
 //! Lookup: `tenant "replay"`, `model "trace"`, `hash_scheme "vllm"`, the
 //! request's whole chain as a wire chain. Gateway rule: route to
 //! `scores[0]` on PREFIX_MATCH / TENANT_HOT / AFFINITY_HINT, else round-robin.
 //! Every reason code is counted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use inference_cache_index::{CacheEvent, CacheUpdate, EventKind, PrefixReport, ReplicaStatsReport};
 
@@ -44,6 +46,24 @@ const ROUTED_ON: [&str; 3] = ["PREFIX_MATCH", "TENANT_HOT", "AFFINITY_HINT"];
 pub fn replica_id(i: usize) -> String {
     let n = i + 1;
     format!("10.0.{}.{}:8000", n / 256, n % 256)
+}
+
+/// When a replica's admissions and evictions reach the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ReportAt {
+    /// At routing time, when the simulated cache changes (the index is never behind).
+    #[default]
+    Routing,
+    /// When the request's prefill completes, as an engine reports them.
+    PrefillEnd,
+}
+
+/// Feedback held back until its due time.
+#[derive(Debug)]
+struct Pending {
+    due_ms: f64,
+    update: Option<CacheUpdate>,
+    events: Vec<CacheEvent>,
 }
 
 /// A lookup answer, reduced to what the gateway uses.
@@ -82,11 +102,14 @@ pub struct IndexRouter<B> {
     reasons: BTreeMap<String, u64>,
     hashes: Vec<Vec<u8>>,
     counts: Vec<i32>,
+    report_at: ReportAt,
+    /// Per replica, in due order (a replica's prefills end in FIFO order).
+    pending: Vec<VecDeque<Pending>>,
 }
 
 impl<B: Backend> IndexRouter<B> {
-    /// A router over `replicas` replicas.
-    pub fn new(backend: B, replicas: usize) -> Self {
+    /// A router over `replicas` replicas whose feedback arrives at `report_at`.
+    pub fn new(backend: B, replicas: usize, report_at: ReportAt) -> Self {
         Self {
             backend,
             ids: (0..replicas).map(replica_id).collect(),
@@ -94,7 +117,27 @@ impl<B: Backend> IndexRouter<B> {
             reasons: BTreeMap::new(),
             hashes: Vec::new(),
             counts: Vec::new(),
+            report_at,
+            pending: (0..replicas).map(|_| VecDeque::new()).collect(),
         }
+    }
+
+    /// Delivers the held-back feedback due by `now_ms`.
+    fn deliver(&mut self, now_ms: f64) -> Result<(), ReplayError> {
+        for queue in &mut self.pending {
+            while queue.front().is_some_and(|p| p.due_ms <= now_ms) {
+                let Some(pending) = queue.pop_front() else {
+                    break;
+                };
+                if let Some(update) = pending.update {
+                    self.backend.ingest(update)?;
+                }
+                if !pending.events.is_empty() {
+                    self.backend.publish(pending.events)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The backend, for inspection after a run.
@@ -156,6 +199,7 @@ impl<B: Backend> Router for IndexRouter<B> {
 
     fn report_stats(&mut self, now_ms: f64, replicas: &[Replica]) -> Result<(), ReplayError> {
         self.backend.set_time(now_ms);
+        self.deliver(now_ms)?;
         self.report_all(replicas)?;
         self.backend.housekeeping(now_ms);
         Ok(())
@@ -167,6 +211,7 @@ impl<B: Backend> Router for IndexRouter<B> {
         request: &Request,
     ) -> Result<usize, ReplayError> {
         self.backend.set_time(context.now_ms);
+        self.deliver(context.now_ms)?;
         wire_hashes(&request.blocks, &mut self.hashes);
         self.counts.clear();
         let n = request.blocks.len();
@@ -196,7 +241,7 @@ impl<B: Backend> Router for IndexRouter<B> {
         stored: &[u64],
         evicted: &[u64],
     ) -> Result<(), ReplayError> {
-        if !stored.is_empty() {
+        let update = (!stored.is_empty()).then(|| {
             let last = request.blocks.last().copied();
             let last_tokens = request.input_tokens
                 - context.block_size * (request.blocks.len() as u32).saturating_sub(1);
@@ -212,29 +257,37 @@ impl<B: Backend> Router for IndexRouter<B> {
                     }
                 })
                 .collect();
-            let update = CacheUpdate {
+            CacheUpdate {
                 prefixes: vec![PrefixReport {
                     block_hashes: chain,
                     block_token_counts: counts,
                     ..Default::default()
                 }],
                 ..self.update(replica)
-            };
-            self.backend.ingest(update)?;
-        }
-        if !evicted.is_empty() {
-            let events = evicted
-                .iter()
-                .map(|h| CacheEvent {
-                    kind: EventKind::PrefixEvicted,
-                    replica_id: self.ids[replica].clone(),
-                    tenant_id: TENANT.into(),
-                    model_id: MODEL.into(),
-                    prefix_hash: h.to_be_bytes().to_vec(),
-                    adapter_id: String::new(),
-                })
-                .collect();
-            self.backend.publish(events)?;
+            }
+        });
+        let events = evicted
+            .iter()
+            .map(|h| CacheEvent {
+                kind: EventKind::PrefixEvicted,
+                replica_id: self.ids[replica].clone(),
+                tenant_id: TENANT.into(),
+                model_id: MODEL.into(),
+                prefix_hash: h.to_be_bytes().to_vec(),
+                adapter_id: String::new(),
+            })
+            .collect();
+        let due_ms = match self.report_at {
+            ReportAt::Routing => context.now_ms,
+            ReportAt::PrefillEnd => context.replicas[replica].prefill_end_ms(),
+        };
+        self.pending[replica].push_back(Pending {
+            due_ms,
+            update,
+            events,
+        });
+        if self.report_at == ReportAt::Routing {
+            self.deliver(context.now_ms)?;
         }
         Ok(())
     }
@@ -244,6 +297,7 @@ impl<B: Backend> Router for IndexRouter<B> {
     }
 
     fn finish(&mut self) -> Result<(), ReplayError> {
+        self.deliver(f64::INFINITY)?;
         self.backend.finish(&self.ids)
     }
 }

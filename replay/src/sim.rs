@@ -23,7 +23,7 @@ use crate::policy::{
     LeastLoaded, Policy, RandomRouter, RoundRobin, RouteContext, Router, SessionHash,
 };
 use crate::replica::{Replica, Served, ServingModel};
-use crate::routed::IndexRouter;
+use crate::routed::{IndexRouter, ReportAt};
 use crate::trace::Trace;
 
 /// Default prefill throughput per replica, tokens per second.
@@ -48,6 +48,8 @@ pub struct SimConfig {
     pub stats_interval_ms: f64,
     /// Seed of the random policy.
     pub seed: u64,
+    /// When admissions and evictions reach the index.
+    pub report_at: ReportAt,
 }
 
 impl SimConfig {
@@ -63,6 +65,7 @@ impl SimConfig {
             speedup: 1.0,
             stats_interval_ms: DEFAULT_STATS_INTERVAL_MS,
             seed: 1,
+            report_at: ReportAt::Routing,
         }
     }
 }
@@ -192,7 +195,7 @@ pub fn simulate(
 ) -> Result<PolicyResult, ReplayError> {
     if policy.uses_index() {
         let backend = InProcess::new(policies_for(policy, policies));
-        let mut router = IndexRouter::new(backend, config.replicas);
+        let mut router = IndexRouter::new(backend, config.replicas, config.report_at);
         return simulate_with(trace, policy, config, &mut router, progress);
     }
     match policy {

@@ -238,21 +238,22 @@ fn the_index_holds_exactly_what_the_replicas_hold() {
         ..SyntheticConfig::default()
     });
     // Small caches, so replicas evict and the index must follow.
-    let config = SimConfig::new(3, 120);
-    for policy in [
-        Policy::InferenceCacheContract,
-        Policy::InferenceCacheCostAware,
-    ] {
-        let backend = InProcess::new(policies_for(policy, &PolicySet::default()));
-        let mut router = IndexRouter::new(backend, config.replicas);
-        let result = simulate_with(&trace, policy, &config, &mut router, None).expect("replays");
-        let held: u64 = result.cached_blocks.iter().sum();
-        assert!(held > 0);
-        assert_eq!(
-            router.backend().index().entry_count(),
-            held as i64,
-            "{policy}"
-        );
+    let mut config = SimConfig::new(3, 120);
+    for report_at in [ReportAt::Routing, ReportAt::PrefillEnd] {
+        config.report_at = report_at;
+        for policy in [
+            Policy::InferenceCacheContract,
+            Policy::InferenceCacheCostAware,
+        ] {
+            let backend = InProcess::new(policies_for(policy, &PolicySet::default()));
+            let mut router = IndexRouter::new(backend, config.replicas, config.report_at);
+            let result =
+                simulate_with(&trace, policy, &config, &mut router, None).expect("replays");
+            let held: u64 = result.cached_blocks.iter().sum();
+            assert!(held > 0);
+            let entries = router.backend().index().entry_count();
+            assert_eq!(entries, held as i64, "{policy} {report_at:?}");
+        }
     }
 }
 
@@ -314,6 +315,7 @@ fn outputs_are_well_formed() {
         tpot_ms: 20.0,
         speedup: 1.0,
         stats_interval_ms: 500.0,
+        report_at: "routing",
         index: "in-process".into(),
     };
     let table = render_table(&info, &results);
@@ -421,4 +423,94 @@ fn flags_are_validated() {
 struct ReplayArgsParser {
     #[command(flatten)]
     args: ReplayArgs,
+}
+
+/// Records when (in simulated time) each kind of feedback reaches the index.
+#[derive(Default)]
+struct Recording {
+    now_ms: f64,
+    /// (time, blocks) of every update with prefixes.
+    stored: Vec<(f64, usize)>,
+    /// (time, events) of every publish.
+    evicted: Vec<(f64, usize)>,
+    stats: usize,
+}
+
+impl Backend for Recording {
+    fn set_time(&mut self, now_ms: f64) {
+        self.now_ms = now_ms;
+    }
+
+    fn ingest(&mut self, update: inference_cache_index::CacheUpdate) -> Result<(), ReplayError> {
+        assert_eq!(
+            (update.tenant_id.as_str(), update.hash_scheme.as_str()),
+            (TENANT, HASH_SCHEME)
+        );
+        if update.stats.is_some() {
+            self.stats += 1;
+        }
+        for p in &update.prefixes {
+            assert!(p.block_hashes.iter().all(|h| h.len() == 8));
+            self.stored.push((self.now_ms, p.block_hashes.len()));
+        }
+        Ok(())
+    }
+
+    fn publish(
+        &mut self,
+        events: Vec<inference_cache_index::CacheEvent>,
+    ) -> Result<(), ReplayError> {
+        self.evicted.push((self.now_ms, events.len()));
+        Ok(())
+    }
+
+    fn lookup(&mut self, _: &[Vec<u8>], _: &[i32]) -> Result<Answer, ReplayError> {
+        Ok(Answer {
+            reason: "NO_HINT".into(),
+            first: None,
+        })
+    }
+}
+
+#[test]
+fn feedback_arrives_at_routing_time_or_when_the_prefill_ends() {
+    // One replica of 4 blocks at 10 tokens/s. A 5-block prompt at 0 s
+    // (19 tokens: prefill ends at 1.9 s) keeps 4 blocks; one-block prompts at
+    // 5 s and 10 s (3 tokens: 0.3 s) each store a block and evict one.
+    let trace = Trace {
+        block_size: BS,
+        requests: vec![
+            request(0, &[1, 2, 3, 4, 5]),
+            request(5000, &[7]),
+            request(10_000, &[8]),
+        ],
+    };
+    let mut config = SimConfig::new(1, 4);
+    config.model.prefill_tps = 10.0;
+    // Held-back feedback is delivered at the next stats report (every 0.5 s)
+    // or lookup; what is still due at the end is delivered at the end (10 s).
+    for (report_at, times) in [
+        (ReportAt::Routing, [0.0, 5000.0, 10_000.0]),
+        (ReportAt::PrefillEnd, [2000.0, 5500.0, 10_000.0]),
+    ] {
+        config.report_at = report_at;
+        let mut router = IndexRouter::new(Recording::default(), 1, report_at);
+        let result = simulate_with(&trace, Policy::InferenceCache, &config, &mut router, None)
+            .expect("replays");
+        let seen = router.backend();
+        assert_eq!(
+            seen.stored,
+            [(times[0], 4), (times[1], 1), (times[2], 1)],
+            "{report_at:?}"
+        );
+        assert_eq!(
+            seen.evicted,
+            [(times[1], 1), (times[2], 1)],
+            "{report_at:?}"
+        );
+        // The announcement, then one report per 0.5 s up to 10 s.
+        assert_eq!(seen.stats, 1 + 20);
+        let reasons = result.reasons.expect("counted");
+        assert_eq!((reasons[0].code.as_str(), reasons[0].count), ("NO_HINT", 3));
+    }
 }
