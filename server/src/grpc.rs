@@ -156,7 +156,7 @@ impl CacheService {
             self.metrics.record_limit("prompt_bytes");
             return Ok(None);
         }
-        let Some(input) = text_input(request) else {
+        let Some(input) = TextInput::from_request(request) else {
             return Ok(None);
         };
         match self
@@ -179,24 +179,6 @@ impl CacheService {
                 Ok(None)
             }
         }
-    }
-}
-
-/// The text input of a request, by precedence messages > raw_prompt > prompt_text.
-fn text_input(request: &LookupRouteRequest) -> Option<TextInput> {
-    if !request.messages.is_empty() {
-        let messages = request
-            .messages
-            .iter()
-            .map(|m| inference_cache_tokenizer::ChatMessage::new(&m.role, &m.content))
-            .collect();
-        Some(TextInput::Messages(messages))
-    } else if !request.raw_prompt.is_empty() {
-        Some(TextInput::RawPrompt(request.raw_prompt.clone()))
-    } else if !request.prompt_text.is_empty() {
-        Some(TextInput::PromptText(request.prompt_text.clone()))
-    } else {
-        None
     }
 }
 
@@ -555,6 +537,7 @@ pub(crate) fn resolve_input(request: &LookupRouteRequest, block_size: usize) -> 
         ));
     }
     if !request.messages.is_empty()
+        || !request.messages_json.is_empty()
         || !request.raw_prompt.is_empty()
         || !request.prompt_text.is_empty()
     {
@@ -573,7 +556,11 @@ fn lookup(
 ) -> index::LookupOutcome {
     let mut query =
         index::LookupRequest::new(&request.tenant_id, &request.model_id, &request.hash_scheme);
-    query.adapter_id = &request.adapter_id;
+    // A salted request looks only in its salt's partition (the subscriber
+    // reports salted blocks under the same key).
+    let partition =
+        inference_cache_fingerprint::partition_key(&request.adapter_id, &request.cache_salt);
+    query.adapter_id = &partition;
     query.slo_ttft_ms = request.slo.as_ref().map_or(0, |s| s.ttft_ms);
     query.arrived = arrived;
     query.deadline = deadline;
@@ -604,6 +591,9 @@ fn lookup(
     if *input == ResolvedInput::NeedsTokenizer && outcome.reason == index::Reason::NoHint {
         // Tokenizer fail-open envelope: returned before the index is consulted.
         outcome.adapter_id.clear();
+    } else if !outcome.adapter_id.is_empty() {
+        // Echo the request's adapter id, never the salted partition key.
+        outcome.adapter_id.clone_from(&request.adapter_id);
     }
     outcome
 }

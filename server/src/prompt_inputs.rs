@@ -1,6 +1,14 @@
 //! Server-side prompt inputs: the tokenizer registry that turns `prompt_text`,
-//! `messages` and `raw_prompt` into token ids, and the PromptTemplate store
-//! behind RenderTemplate.
+//! `messages` / `messages_json` (with `tools_json`, `chat_template_kwargs_json`,
+//! `documents_json`, `add_generation_prompt`, `continue_final_message`) and
+//! `raw_prompt` into token ids, and the PromptTemplate store behind
+//! RenderTemplate.
+//!
+//! The JSON fields are parsed on the blocking pool together with the
+//! rendering, never on the async core threads. A field that is not the JSON
+//! it should be, a request the engine itself would refuse, or content the
+//! server cannot tokenize (images, audio) is a fail-open answer (NO_HINT),
+//! counted in `tokenize_failure_total{reason}`.
 //!
 //! Tokenization is CPU-bound, so it runs on tokio's blocking pool under a
 //! deadline (the tenant's `lookupTimeoutMs`, else `--tokenize-timeout`, and
@@ -22,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
-use inference_cache_tokenizer::{ChatMessage, TokenizeError, TokenizerRegistry};
+use inference_cache_proto::v1alpha1::LookupRouteRequest;
+use inference_cache_tokenizer::{ChatMessage, ChatOptions, TokenizeError, TokenizerRegistry};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -95,15 +104,176 @@ impl Default for PromptSettings {
 }
 
 /// A prompt that needs the server's tokenizer, by the input precedence
-/// messages > raw_prompt > prompt_text.
+/// messages_json / messages > raw_prompt > prompt_text.
 #[derive(Debug, Clone)]
 pub enum TextInput {
-    /// A whole chat conversation (chat template, generation prompt).
-    Messages(Vec<ChatMessage>),
+    /// A whole chat conversation as structured messages (chat template).
+    Messages(Vec<ChatMessage>, ChatFields),
+    /// A whole chat conversation as the body's verbatim `messages` JSON.
+    MessagesJson(String, ChatFields),
     /// A `/v1/completions` string prompt (no template, special tokens added).
     RawPrompt(String),
     /// One user message (chat template, generation prompt).
     PromptText(String),
+}
+
+impl TextInput {
+    /// The text input of a lookup, by precedence messages_json / messages >
+    /// raw_prompt > prompt_text; `None` when it has none. Nothing is parsed
+    /// here: JSON fields are read on the blocking pool.
+    pub fn from_request(request: &LookupRouteRequest) -> Option<Self> {
+        if !request.messages_json.is_empty() {
+            Some(Self::MessagesJson(
+                request.messages_json.clone(),
+                ChatFields::from_request(request),
+            ))
+        } else if !request.messages.is_empty() {
+            let messages = request
+                .messages
+                .iter()
+                .map(|m| ChatMessage::new(&m.role, &m.content))
+                .collect();
+            Some(Self::Messages(messages, ChatFields::from_request(request)))
+        } else if !request.raw_prompt.is_empty() {
+            Some(Self::RawPrompt(request.raw_prompt.clone()))
+        } else if !request.prompt_text.is_empty() {
+            Some(Self::PromptText(request.prompt_text.clone()))
+        } else {
+            None
+        }
+    }
+}
+
+/// The chat-request fields of a lookup besides its messages, still as JSON text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChatFields {
+    /// `tools_json`.
+    pub tools_json: String,
+    /// `chat_template_kwargs_json`.
+    pub chat_template_kwargs_json: String,
+    /// `documents_json`.
+    pub documents_json: String,
+    /// `add_generation_prompt` (unset: true).
+    pub add_generation_prompt: Option<bool>,
+    /// `continue_final_message`.
+    pub continue_final_message: bool,
+}
+
+impl ChatFields {
+    fn from_request(request: &LookupRouteRequest) -> Self {
+        Self {
+            tools_json: request.tools_json.clone(),
+            chat_template_kwargs_json: request.chat_template_kwargs_json.clone(),
+            documents_json: request.documents_json.clone(),
+            add_generation_prompt: request.add_generation_prompt,
+            continue_final_message: request.continue_final_message,
+        }
+    }
+
+    /// Parses the JSON fields into rendering options.
+    pub fn options(&self) -> Result<ChatOptions, Rejected> {
+        Ok(ChatOptions {
+            tools: json_array(&self.tools_json, Rejected::Tools)?,
+            documents: json_array(&self.documents_json, Rejected::Documents)?,
+            add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
+            continue_final_message: self.continue_final_message,
+            template_kwargs: json_object(
+                &self.chat_template_kwargs_json,
+                Rejected::ChatTemplateKwargs,
+            )?,
+        })
+    }
+}
+
+/// A JSON field that is not what it should be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Rejected {
+    /// `messages_json` is not an array of message objects.
+    #[error("messages_json is not a JSON array of chat messages")]
+    Messages,
+    /// `tools_json` is not a JSON array (or null).
+    #[error("tools_json is not a JSON array")]
+    Tools,
+    /// `chat_template_kwargs_json` is not a JSON object (or null).
+    #[error("chat_template_kwargs_json is not a JSON object")]
+    ChatTemplateKwargs,
+    /// `documents_json` is not a JSON array (or null).
+    #[error("documents_json is not a JSON array")]
+    Documents,
+}
+
+impl Rejected {
+    /// Label of `tokenize_failure_total{reason}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Messages => "bad_messages_json",
+            Self::Tools => "bad_tools_json",
+            Self::ChatTemplateKwargs => "bad_chat_template_kwargs_json",
+            Self::Documents => "bad_documents_json",
+        }
+    }
+}
+
+/// An optional JSON array field: empty or `null` is `None`.
+fn json_array(text: &str, rejected: Rejected) -> Result<Option<Vec<serde_json::Value>>, Rejected> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Null) => Ok(None),
+        Ok(serde_json::Value::Array(items)) => Ok(Some(items)),
+        _ => Err(rejected),
+    }
+}
+
+/// An optional JSON object field: empty or `null` is empty.
+fn json_object(
+    text: &str,
+    rejected: Rejected,
+) -> Result<serde_json::Map<String, serde_json::Value>, Rejected> {
+    if text.is_empty() {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Null) => Ok(serde_json::Map::new()),
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        _ => Err(rejected),
+    }
+}
+
+/// `messages_json` as chat messages.
+fn parse_messages(text: &str) -> Result<Vec<ChatMessage>, TokenizeFailure> {
+    let Ok(serde_json::Value::Array(items)) = serde_json::from_str(text) else {
+        return Err(TokenizeFailure::Rejected(Rejected::Messages));
+    };
+    items
+        .iter()
+        .map(|item| {
+            ChatMessage::from_openai(item)
+                .map_err(|_| TokenizeFailure::Rejected(Rejected::Messages))
+        })
+        .collect()
+}
+
+/// Runs one text input through the registry (on the blocking pool).
+fn encode(
+    tokenizers: &TokenizerRegistry,
+    model: &str,
+    input: TextInput,
+) -> Result<Vec<u32>, TokenizeFailure> {
+    match input {
+        TextInput::Messages(messages, fields) => {
+            let options = fields.options().map_err(TokenizeFailure::Rejected)?;
+            Ok(tokenizers.encode_chat(model, &messages, &options)?)
+        }
+        TextInput::MessagesJson(text, fields) => {
+            let messages = parse_messages(&text)?;
+            let options = fields.options().map_err(TokenizeFailure::Rejected)?;
+            Ok(tokenizers.encode_chat(model, &messages, &options)?)
+        }
+        TextInput::RawPrompt(text) => Ok(tokenizers.encode_raw_prompt(model, &text)?),
+        TextInput::PromptText(text) => Ok(tokenizers.encode_prompt_text(model, &text)?),
+    }
 }
 
 /// Why a text input produced no token ids.
@@ -112,6 +282,9 @@ pub enum TokenizeFailure {
     /// The deadline passed first.
     #[error("tokenization exceeded its {0:?} budget")]
     Timeout(Duration),
+    /// A JSON field of the request is malformed.
+    #[error(transparent)]
+    Rejected(Rejected),
     /// The model has no tokenizer, no chat template, or encoding failed.
     #[error(transparent)]
     Tokenizer(#[from] TokenizeError),
@@ -121,6 +294,24 @@ pub enum TokenizeFailure {
     /// The blocking task died.
     #[error("tokenization task failed: {0}")]
     Task(String),
+}
+
+impl TokenizeFailure {
+    /// Label of `tokenize_failure_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Timeout(_) => "timeout",
+            Self::Rejected(rejected) => rejected.as_str(),
+            Self::Tokenizer(TokenizeError::UnknownModel(_)) => "unknown_model",
+            Self::Tokenizer(TokenizeError::NoChatTemplate(_)) => "no_chat_template",
+            Self::Tokenizer(TokenizeError::Template(_)) => "template_error",
+            Self::Tokenizer(TokenizeError::InvalidRequest(_)) => "invalid_chat_request",
+            Self::Tokenizer(TokenizeError::UnsupportedContent(_)) => "unsupported_content",
+            Self::Tokenizer(_) => "encode_error",
+            Self::Busy(_) => "busy",
+            Self::Task(_) => "task_failed",
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -135,9 +326,15 @@ pub struct PromptState {
     templates: ArcSwap<TemplateStore>,
     templates_dir: Option<PathBuf>,
     tokenize_latency: Histogram,
+    tokenize_failures: Family<ReasonLabel, Counter>,
     template_reloads: Family<ResultLabel, Counter>,
     slots: Arc<tokio::sync::Semaphore>,
     slot_count: usize,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
 }
 
 impl PromptState {
@@ -186,6 +383,12 @@ impl PromptState {
             "Server-side tokenization of prompt_text / messages / raw_prompt",
             tokenize_latency.clone(),
         );
+        let tokenize_failures = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "tokenize_failure",
+            "Server-side tokenizations that answered no tokens (fail open), by reason",
+            tokenize_failures.clone(),
+        );
         let template_reloads = Family::<ResultLabel, Counter>::default();
         registry.register(
             "template_reload",
@@ -198,6 +401,7 @@ impl PromptState {
             templates: ArcSwap::from_pointee(templates),
             templates_dir: settings.templates_dir.clone().filter(|d| d.is_dir()),
             tokenize_latency,
+            tokenize_failures,
             template_reloads,
             slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency.max(1))),
             slot_count: tokenize_concurrency.max(1),
@@ -232,19 +436,22 @@ impl PromptState {
         let model = model.to_owned();
         let task = tokio::task::spawn_blocking(move || {
             let _slot = slot;
-            match input {
-                TextInput::Messages(messages) => tokenizers.encode_messages(&model, &messages),
-                TextInput::RawPrompt(text) => tokenizers.encode_raw_prompt(&model, &text),
-                TextInput::PromptText(text) => tokenizers.encode_prompt_text(&model, &text),
-            }
+            encode(&tokenizers, &model, input)
         });
         let result = match tokio::time::timeout(budget, task).await {
             Err(_) => Err(TokenizeFailure::Timeout(budget)),
             Ok(Err(join)) => Err(TokenizeFailure::Task(join.to_string())),
-            Ok(Ok(ids)) => ids.map_err(TokenizeFailure::from),
+            Ok(Ok(ids)) => ids,
         };
         self.tokenize_latency
             .observe(started.elapsed().as_secs_f64());
+        if let Err(failure) = &result {
+            self.tokenize_failures
+                .get_or_create(&ReasonLabel {
+                    reason: failure.reason(),
+                })
+                .inc();
+        }
         result
     }
 
