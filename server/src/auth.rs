@@ -363,8 +363,12 @@ impl Credentials {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix(BEARER))
-            .map(|t| t.trim().to_owned());
+            .and_then(|v| {
+                let (scheme, token) = (v.get(..BEARER.len())?, v.get(BEARER.len()..)?);
+                scheme
+                    .eq_ignore_ascii_case(BEARER)
+                    .then(|| token.trim().to_owned())
+            });
         let identities = request
             .peer_certs()
             .and_then(|certs| {

@@ -623,11 +623,19 @@ async fn bearer_tokens_bind_producers_to_tenants_and_replicas() {
         .expect_err("wrong token");
     assert_eq!(status.code(), Code::Unauthenticated);
 
-    // The right token: accepted within the grant.
+    // The right token: accepted within the grant (the scheme is case-insensitive).
     h.client
         .report_cache_state(bearer(tokio_stream::iter(vec![held()]), "token-a"))
         .await
         .expect("granted");
+    let mut lower = tonic::Request::new(tokio_stream::iter(vec![held()]));
+    lower
+        .metadata_mut()
+        .insert("authorization", "bearer token-a".parse().expect("ascii"));
+    h.client
+        .report_cache_state(lower)
+        .await
+        .expect("lowercase scheme");
     // An outsider replica (outside 10.0.0.0/8) and another tenant: PERMISSION_DENIED.
     for (tenant, replica) in [(T, "127.0.0.2:9999"), ("team-b", "10.1.2.3:8000")] {
         let bad = CacheStateUpdate {
