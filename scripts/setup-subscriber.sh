@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Python side of the KV-event subscriber tests: pyzmq and msgpack
 # into the shared venv at $REPO/.cache/venv. The test publisher
-# (subscriber/tests/publisher.py) uses them to emit byte-exact vLLM KV-event
+# (subscriber/tests/kv_publisher.py) uses them to emit byte-exact vLLM KV-event
 # batches. Idempotent. Prints the venv's python on its last line.
 #
 #   scripts/setup-subscriber.sh
