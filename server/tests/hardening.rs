@@ -888,3 +888,68 @@ async fn auth_file_is_reread_on_change() {
     assert_eq!(report("second").await, Ok(()));
     h.stop().await;
 }
+
+/// A non-loopback IPv4 address of this host (no packet is sent), if it has one.
+fn non_loopback_ipv4() -> Option<std::net::IpAddr> {
+    ["203.0.113.1:9", "192.0.2.1:9", "10.255.255.1:9"]
+        .iter()
+        .find_map(|target| {
+            let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+            socket.connect(target).ok()?;
+            let ip = socket.local_addr().ok()?.ip();
+            (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+        })
+}
+
+#[tokio::test]
+async fn unauthenticated_producers_from_other_hosts_are_refused_unless_allowed() {
+    // The decision itself is unit-tested in `auth`; here a real socket from a
+    // non-loopback address of this host, when it has one.
+    let Some(ip) = non_loopback_ipv4() else {
+        println!("no non-loopback address on this host; covered by the auth unit test only");
+        return;
+    };
+    for allow in [false, true] {
+        let mut config = ServeConfig::ephemeral();
+        config.grpc_addr = std::net::SocketAddr::from(([0, 0, 0, 0], 0));
+        config.security.allow_unauthenticated_producers = allow;
+        let server = start(config).await.expect("server starts");
+        let admin = server.admin_addr;
+        let mut client =
+            InferenceCacheClient::connect(format!("http://{ip}:{}", server.grpc_addr.port()))
+                .await
+                .expect("connect over the host address");
+        let produced = client
+            .report_cache_state(tokio_stream::iter(vec![update(
+                "A",
+                vec![chain_entry(&chain(0..1), 64)],
+            )]))
+            .await;
+        let looked_up = client.lookup_route(chain_lookup(&chain(0..1))).await;
+        assert!(looked_up.is_ok(), "lookups stay open");
+        if allow {
+            produced.expect("allowed with --allow-unauthenticated-producers");
+        } else {
+            let status = produced.expect_err("refused from a non-loopback peer");
+            assert_eq!(status.code(), Code::PermissionDenied, "{status}");
+            let metrics = http_body(admin, "/metrics").await;
+            assert!(
+                metrics.contains(
+                    "inferencecache_auth_refused_total{rpc=\"ReportCacheState\",reason=\"non_loopback_peer\"} 1"
+                ),
+                "{metrics}"
+            );
+        }
+        server.shutdown().await.expect("shutdown");
+    }
+}
+
+async fn http_body(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).await.expect("read");
+    String::from_utf8_lossy(&reply).into_owned()
+}
