@@ -308,7 +308,6 @@ async fn e2e_engine_load_reaches_get_cache_state() {
             .get_cache_state(GetCacheStateRequest {
                 tenant_id: "team-a".into(),
                 model_id: "qwen3".into(),
-                ..Default::default()
             })
             .await
             .expect("GetCacheState")
