@@ -498,3 +498,100 @@ impl PromptState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inference_cache_proto::v1alpha1::ChatMessage as WireMessage;
+
+    #[test]
+    fn text_input_precedence() {
+        let mut request = LookupRouteRequest {
+            prompt_text: "p".into(),
+            ..Default::default()
+        };
+        assert!(matches!(
+            TextInput::from_request(&request),
+            Some(TextInput::PromptText(_))
+        ));
+        request.raw_prompt = "r".into();
+        assert!(matches!(
+            TextInput::from_request(&request),
+            Some(TextInput::RawPrompt(_))
+        ));
+        request.messages.push(WireMessage {
+            role: "user".into(),
+            content: "m".into(),
+        });
+        assert!(matches!(
+            TextInput::from_request(&request),
+            Some(TextInput::Messages(..))
+        ));
+        request.messages_json = "[]".into();
+        request.add_generation_prompt = Some(false);
+        match TextInput::from_request(&request) {
+            Some(TextInput::MessagesJson(text, fields)) => {
+                assert_eq!(text, "[]");
+                assert_eq!(fields.add_generation_prompt, Some(false));
+            }
+            other => panic!("messages_json wins: {other:?}"),
+        }
+        assert!(TextInput::from_request(&LookupRouteRequest::default()).is_none());
+    }
+
+    #[test]
+    fn chat_fields_parse_or_reject() {
+        let fields = ChatFields {
+            tools_json: "null".into(),
+            chat_template_kwargs_json: r#"{"enable_thinking": false}"#.into(),
+            documents_json: String::new(),
+            add_generation_prompt: None,
+            continue_final_message: false,
+        };
+        let options = fields.options().expect("valid");
+        assert_eq!(options.tools, None);
+        assert!(
+            options.add_generation_prompt,
+            "unset means the engine default"
+        );
+        assert_eq!(
+            options.template_kwargs.get("enable_thinking"),
+            Some(&serde_json::Value::Bool(false))
+        );
+        for (fields, rejected) in [
+            (
+                ChatFields {
+                    tools_json: "{}".into(),
+                    ..ChatFields::default()
+                },
+                Rejected::Tools,
+            ),
+            (
+                ChatFields {
+                    chat_template_kwargs_json: "[]".into(),
+                    ..ChatFields::default()
+                },
+                Rejected::ChatTemplateKwargs,
+            ),
+            (
+                ChatFields {
+                    documents_json: "[".into(),
+                    ..ChatFields::default()
+                },
+                Rejected::Documents,
+            ),
+        ] {
+            assert_eq!(fields.options(), Err(rejected));
+        }
+        assert!(matches!(
+            parse_messages(r#"[{"content": "no role"}]"#),
+            Err(TokenizeFailure::Rejected(Rejected::Messages))
+        ));
+        assert_eq!(
+            parse_messages(r#"[{"role": "user", "content": "hi"}]"#)
+                .expect("valid")
+                .len(),
+            1
+        );
+    }
+}
