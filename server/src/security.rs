@@ -2,9 +2,14 @@
 //! routes that expose index contents.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+/// A TLS handshake that has not finished by then is dropped, so idle
+/// half-open connections cannot pile up.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Flags of TLS, authentication and admin exposure, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -105,7 +110,9 @@ impl TlsFiles {
         };
         let cert = read(&self.cert, "--tls-cert")?;
         let key = read(&self.key, "--tls-key")?;
-        let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
+        let mut config = ServerTlsConfig::new()
+            .identity(Identity::from_pem(cert, key))
+            .timeout(TLS_HANDSHAKE_TIMEOUT);
         if let Some(ca) = &self.client_ca {
             config = config.client_ca_root(Certificate::from_pem(read(ca, "--client-ca")?));
         }
