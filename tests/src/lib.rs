@@ -3,6 +3,7 @@
 //! minimal HTTP/1.1 GET for the admin listener.
 
 use std::net::SocketAddr;
+use std::path::Path;
 
 use anyhow::{Context as _, ensure};
 use inference_cache_fingerprint::request_chain;
@@ -63,6 +64,23 @@ impl TestServer {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.server.shutdown().await
     }
+}
+
+/// [`ServeConfig::ephemeral`] with a policy file, written into `dir`, that
+/// pins the wire contract's ranker for every tenant. Gateway tests check
+/// where a hint sends a request; under the default cost-aware ranker a
+/// prefix requested over and over is spread by recent load, so repeated
+/// requests would not keep naming its holder.
+pub fn contract_ranker_config(dir: &Path) -> anyhow::Result<ServeConfig> {
+    let path = dir.join("policy.yaml");
+    std::fs::write(
+        &path,
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+         metadata: { name: contract-ranker, namespace: \"*\" }\nspec:\n  ranker: Contract\n",
+    )?;
+    let mut config = ServeConfig::ephemeral();
+    config.index.policy_file = Some(path);
+    Ok(config)
 }
 
 /// Who holds a prompt's blocks: one replica in one (tenant, model, adapter)

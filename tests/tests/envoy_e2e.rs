@@ -26,7 +26,7 @@ use inference_cache_proto::v1alpha1::{
     LookupPdRouteRequest, LookupPdRouteResponse, LookupRouteRequest, LookupRouteResponse, Metric,
     RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest, StreamMetricsRequest,
 };
-use inference_cache_tests::{Holder, TestServer, hold_tokens};
+use inference_cache_tests::{Holder, TestServer, contract_ranker_config, hold_tokens};
 use proxy_wasm_host_envoy::{
     Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, ServerTls, free_port,
     split_body, tokens_body,
@@ -80,6 +80,13 @@ fn setup(grpc: SocketAddr, pool: [SocketAddr; 3], timeout_ms: u64, expose: bool)
     }
 }
 
+/// The real server under the wire contract's ranker, and its policy directory.
+async fn contract_server() -> anyhow::Result<(TestServer, tempfile::TempDir)> {
+    let policy = tempfile::tempdir()?;
+    let server = TestServer::start_with(contract_ranker_config(policy.path())?).await?;
+    Ok((server, policy))
+}
+
 /// Reports `tokens`' block chain as held by `replica`.
 async fn ingest(server: &TestServer, replica: &str, tokens: &[u32]) -> anyhow::Result<()> {
     ingest_as(server, TENANT, replica, tokens).await
@@ -117,7 +124,7 @@ fn context(stack: &Stack) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_prompt_routes_to_the_replica_holding_its_prefix() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     ingest_background(&server).await?;
     let held: Vec<u32> = (0..128).collect();
@@ -137,7 +144,7 @@ async fn token_prompt_routes_to_the_replica_holding_its_prefix() -> anyhow::Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn affinity_hint_sends_a_prompt_to_the_same_replica_every_time() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     ingest_background(&server).await?;
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
@@ -177,7 +184,8 @@ async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
     );
     let models = tempfile::tempdir()?;
     std::os::unix::fs::symlink(&qwen3, models.path().join(MODEL))?;
-    let mut config = inference_cache_server::ServeConfig::ephemeral();
+    let policy = tempfile::tempdir()?;
+    let mut config = contract_ranker_config(policy.path())?;
     config.prompts.tokenizer_models_dir = Some(models.path().to_path_buf());
     let server = TestServer::start_with(config).await?;
     let stack = stack(server.grpc_addr(), 500).await?;
@@ -228,7 +236,7 @@ async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spoofed_destination_header_is_ignored() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let backends = backends().await?;
     let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
     let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, true)).await?;
@@ -273,7 +281,7 @@ async fn spoofed_destination_header_is_ignored() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_hinted_replica_is_served_by_another_pool_member() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     // replica-c is in the pool and in the index, but its port is closed.
     let live = [
         Backend::start("replica-a").await?,
@@ -329,7 +337,7 @@ async fn dead_hinted_replica_is_served_by_another_pool_member() -> anyhow::Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hint_outside_the_pool_is_served_by_the_pool() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let backends = backends().await?;
     let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
     let envoy = Envoy::start(&setup(server.grpc_addr(), pool, 200, true)).await?;
@@ -369,7 +377,7 @@ async fn hint_outside_the_pool_is_served_by_the_pool() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reason_header_is_hidden_by_default_and_logged() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let backends = backends().await?;
     let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
     // The shipped setting: expose_reason_header false.
@@ -417,7 +425,7 @@ async fn reason_header_is_hidden_by_default_and_logged() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_tenant_header_does_not_choose_the_tenant() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let backends = backends().await?;
     let pool = [backends[0].addr, backends[1].addr, backends[2].addr];
     // The route says team-m; the shipped file says "default", the fallback
@@ -446,7 +454,7 @@ async fn client_tenant_header_does_not_choose_the_tenant() -> anyhow::Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_model_and_malformed_json_pass_through() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     ingest_background(&server).await?;
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
@@ -480,7 +488,7 @@ async fn unknown_model_and_malformed_json_pass_through() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_over_the_limits_pass_through() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
     // 5 MiB: over the filter's max_body_bytes (4 MiB); 12 MiB: over Envoy's buffer limit (8 MiB).
@@ -508,7 +516,7 @@ fn backend_report(response: &HttpResponse) -> anyhow::Result<serde_json::Value> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_body_is_assembled_and_routed_to_the_holder() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     ingest_background(&server).await?;
     let held: Vec<u32> = (0..128).collect();
@@ -550,7 +558,7 @@ async fn chunked_body_is_assembled_and_routed_to_the_holder() -> anyhow::Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_body_over_the_limit_passes_through_untouched() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     ingest_background(&server).await?;
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
@@ -603,7 +611,7 @@ async fn chunked_body_over_the_limit_passes_through_untouched() -> anyhow::Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_killed_fails_open_via_the_default_cluster() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let (server, _policy) = contract_server().await?;
     let stack = stack(server.grpc_addr(), 200).await?;
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
     let body = tokens_body(MODEL, &(0..64).collect::<Vec<_>>());
@@ -785,7 +793,7 @@ async fn filter_reaches_a_tls_server_with_its_client_certificate() -> anyhow::Re
     let _serial = SERIAL.lock().await;
     let pki = test_pki()?;
     let file = |name: &str| pki.path().join(name);
-    let mut config = inference_cache_server::ServeConfig::ephemeral();
+    let mut config = contract_ranker_config(pki.path())?;
     config.security.tls = Some(inference_cache_server::TlsFiles {
         cert: file("server.pem"),
         key: file("server-key.pem"),

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use inference_cache_proto::v1alpha1::LookupRouteRequest;
-use inference_cache_tests::{Holder, TestServer, hold_tokens, wire_chain};
+use inference_cache_tests::{Holder, TestServer, contract_ranker_config, hold_tokens, wire_chain};
 use proxy_wasm_host_envoy::{Backend, Envoy, EnvoySetup, HttpClient, REPLICAS, tokens_body};
 
 const MODEL: &str = "e2e-model";
@@ -173,7 +173,10 @@ async fn filter_overhead() -> anyhow::Result<()> {
         .and_then(|value| value.parse().ok())
         .unwrap_or(4000)
         .max(2000);
-    let server = TestServer::start().await?;
+    // The contract's ranker: every timed lookup names the holder, as the
+    // series expect (the cost-aware default spreads a repeated prompt).
+    let policy = tempfile::tempdir()?;
+    let server = TestServer::start_with(contract_ranker_config(policy.path())?).await?;
     let mut backends = Vec::new();
     for name in REPLICAS {
         backends.push(Backend::start(name).await?);

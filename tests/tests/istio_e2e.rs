@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use anyhow::Context as _;
-use inference_cache_tests::{Holder, TestServer, hold_tokens};
+use inference_cache_tests::{Holder, TestServer, contract_ranker_config, hold_tokens};
 use istio_gateway::Gateway;
 use proxy_wasm_host_envoy::{Backend, Envoy, HttpClient, HttpResponse, free_port, tokens_body};
 
@@ -48,7 +48,8 @@ fn backend_report(response: &HttpResponse) -> anyhow::Result<serde_json::Value> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoyfilter_manifest_routes_requests_in_an_istio_gateway() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let policy = tempfile::tempdir()?;
+    let server = TestServer::start_with(contract_ranker_config(policy.path())?).await?;
     let mut backends = Vec::new();
     for name in ["pod-a", "pod-b", "pod-c"] {
         backends.push(Backend::start(name).await?);
@@ -168,7 +169,8 @@ async fn ten_served_by_the_pool(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hint_to_a_dead_pod_or_outside_the_pool_fails_no_request() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
-    let server = TestServer::start().await?;
+    let policy = tempfile::tempdir()?;
+    let server = TestServer::start_with(contract_ranker_config(policy.path())?).await?;
     // pod-c is an endpoint of the Service whose port is closed (the pod died
     // and its endpoint is not yet removed).
     let live = [
