@@ -399,3 +399,35 @@ async fn e2e_sigterm_of_the_subscribe_process_says_goodbye() {
     assert!(log.contains("ALL_CLEARED"), "{log}");
     server.kill().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_late_start_replays_from_zero() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v26");
+    let tokens = prompt(40_000);
+    let hs = hashes(900);
+    // Published before the subscriber runs (it started late, or restarted).
+    publisher.publish_unsent(json!([stored(&hs[..3], None, &tokens[..48])]), "array");
+    publisher.publish_unsent(
+        json!([stored(&hs[3..6], Some(hs[2]), &tokens[48..96])]),
+        "map",
+    );
+    let sub = subscriber(&publisher, addr, true, &[]).await;
+    publisher.wait_subscriber(1);
+    publisher.publish(
+        json!([stored(&hs[6..], Some(hs[5]), &tokens[96..])]),
+        "array",
+    );
+    let answer = lookup_until(addr, &tokens, "", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "blocks published before the subscriber started are missing: {answer:?}"
+    );
+    assert_eq!(
+        metric(&sub, "inferencecache_subscriber_first_frame_replays_total"),
+        1.0
+    );
+    sub.shutdown().await;
+    server.kill();
+}
