@@ -9,8 +9,8 @@
 # Tests look for the binary at $ENVOY_BIN, else at .cache/envoy/bin/envoy.
 #
 # envoy/envoy.yaml and the Istio manifest need Envoy 1.35 or later: the
-# pool cluster's `envoy.load_balancing_policies.override_host` policy first
-# shipped in 1.35.0. The script refuses an older binary.
+# pool cluster's `envoy.load_balancing_policies.override_host` policy is in
+# 1.35.0 and later. The script refuses an older binary.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
