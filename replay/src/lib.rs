@@ -14,7 +14,7 @@
 //! - [`ReplayArgs`] → [`ReplaySettings`]: the CLI flags, validated once;
 //!   [`run`] is the subcommand.
 //! - [`Trace`] / [`Request`]: requests with per-block prefix hashes.
-//! - [`SimConfig`], [`simulate`], [`replay_trace`]: the simulation.
+//! - [`SimConfig`], [`simulate`], [`replay_trace`], [`replay_trace_remote`]: the simulation.
 //! - [`render_table`], [`render_json`], [`render_svg`]: output.
 //!
 //! ```
@@ -204,6 +204,60 @@ fn write_file(path: &std::path::Path, contents: &[u8]) -> Result<(), ReplayError
     })
 }
 
+/// Replays `trace` with the `inference-cache` row routed through the server
+/// at `endpoint` over gRPC (the other rows as [`replay_trace`]); the replay's
+/// replicas are cleared on the server before and after. Must be called within
+/// a Tokio runtime; the replay itself runs on a blocking thread.
+pub async fn replay_trace_remote(
+    trace: Trace,
+    policies: Vec<Policy>,
+    config: SimConfig,
+    endpoint: &str,
+) -> Result<Vec<PolicyResult>, ReplayError> {
+    let remote = Remote::connect(endpoint).await?;
+    let work = tokio::task::spawn_blocking(move || {
+        replay_loaded(
+            &trace,
+            &policies,
+            &config,
+            &PolicySet::default(),
+            Some(remote),
+            None,
+        )
+    });
+    join(work).await?
+}
+
+/// Clears the remote replicas, then runs the rows.
+fn replay_loaded(
+    trace: &Trace,
+    policies: &[Policy],
+    config: &SimConfig,
+    policy_set: &PolicySet,
+    mut remote: Option<Remote>,
+    progress: Option<&AtomicU64>,
+) -> Result<Vec<PolicyResult>, ReplayError> {
+    if let Some(remote) = remote.as_mut() {
+        let ids: Vec<String> = (0..config.replicas).map(replica_id).collect();
+        remote.clear(&ids)?;
+    }
+    run_rows(trace, policies, config, policy_set, remote, progress)
+}
+
+/// Waits for a blocking task, re-raising its panic.
+async fn join<T>(task: tokio::task::JoinHandle<T>) -> Result<T, ReplayError> {
+    match task.await {
+        Ok(value) => Ok(value),
+        Err(error) => match error.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(error) => Err(ReplayError::Setting {
+                flag: "trace",
+                reason: format!("the replay was cancelled: {error}"),
+            }),
+        },
+    }
+}
+
 /// `inference-cache replay`: validates the flags, replays, prints the table
 /// (or JSON) on stdout and writes the optional SVG and trace dump.
 pub async fn run(args: ReplayArgs) -> Result<(), ReplayError> {
@@ -224,14 +278,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), ReplayError> {
                 })?;
             write_file(path, &out)?;
         }
-        let mut remote = remote;
-        if let Some(remote) = remote.as_mut() {
-            let ids: Vec<String> = (0..settings.sim.replicas).map(replica_id).collect();
-            remote.clear(&ids)?;
-        }
         let progress =
             Progress::start(trace.requests.len() as u64 * settings.policies.len() as u64);
-        let results = run_rows(
+        let results = replay_loaded(
             &trace,
             &settings.policies,
             &settings.sim,
@@ -242,18 +291,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), ReplayError> {
         progress.finish();
         Ok((run_info(&settings, &trace), results?, settings))
     });
-    let (info, results, settings) = match work.await {
-        Ok(outcome) => outcome?,
-        Err(error) => match error.try_into_panic() {
-            Ok(panic) => std::panic::resume_unwind(panic),
-            Err(error) => {
-                return Err(ReplayError::Setting {
-                    flag: "trace",
-                    reason: format!("the replay was cancelled: {error}"),
-                });
-            }
-        },
-    };
+    let (info, results, settings) = join(work).await??;
     if settings.json {
         println!("{}", render_json(&info, &results));
     } else {
