@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use inference_cache_replay::ReplayArgs;
 use inference_cache_server::{
@@ -99,25 +100,28 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// Resolves when SIGINT or SIGTERM arrives.
-async fn termination_signal() -> anyhow::Result<()> {
+/// Installs the SIGINT and SIGTERM handlers now; the future resolves when one arrives.
+fn termination_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate())?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result?,
-        _ = terminate.recv() => {}
-    }
-    Ok(())
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Installed before the listeners bind: a SIGTERM right after start-up
+    // runs the shutdown sequence instead of killing the process.
+    let signal = termination_signal().context("installing signal handlers")?;
     let server = start(args.into_config()).await?;
     let token = server.shutdown_token();
     tokio::spawn(async move {
-        match termination_signal().await {
-            Ok(()) => tracing::info!("shutdown signal received"),
-            Err(error) => tracing::error!(%error, "installing signal handlers failed"),
-        }
+        signal.await;
+        tracing::info!("shutdown signal received");
         token.cancel();
     });
     server.wait().await
