@@ -46,7 +46,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK_SIZE, value_name = "TOKENS")]
     pub trace_block_size: u32,
 
-    /// Synthetic: requests to generate. With --trace: replay only the first N.
+    /// Synthetic: requests to generate (default 4000). With --trace: replay only the first N.
     #[arg(long, value_name = "N")]
     pub requests: Option<usize>,
 
