@@ -24,7 +24,7 @@ use crate::policy::{
 };
 use crate::replica::{Replica, Served, ServingModel};
 use crate::routed::{IndexRouter, ReportAt};
-use crate::trace::Trace;
+use crate::trace::{Request, Trace};
 
 /// Default prefill throughput per replica, tokens per second.
 pub const DEFAULT_PREFILL_TPS: f64 = 20_000.0;
@@ -236,59 +236,26 @@ pub fn simulate_with(
     progress: Option<&AtomicU64>,
 ) -> Result<PolicyResult, ReplayError> {
     let started = Instant::now();
-    let mut replicas: Vec<Replica> = (0..config.replicas)
-        .map(|_| Replica::new(config.capacity_blocks))
-        .collect();
-    let mut pooled = (policy == Policy::PooledOracle)
-        .then(|| BlockLru::new(config.capacity_blocks.saturating_mul(config.replicas)));
-    let mut ttfts = Vec::with_capacity(trace.requests.len());
-    let (mut hit_blocks, mut hit_tokens, mut tokens) = (0u64, 0u64, 0u64);
-    let (mut stored, mut evicted) = (Vec::new(), Vec::new());
-    let mut next_stats_ms = config.stats_interval_ms;
-    router.start(&replicas)?;
+    let mut run = Run::new(trace, config, policy);
+    router.start(&run.replicas)?;
     for (i, request) in trace.requests.iter().enumerate() {
         let now_ms = request.arrival_ms as f64 / config.speedup;
-        while next_stats_ms <= now_ms {
-            replicas.iter_mut().for_each(|r| r.advance(next_stats_ms));
-            router.report_stats(next_stats_ms, &replicas)?;
-            next_stats_ms += config.stats_interval_ms;
-        }
-        replicas.iter_mut().for_each(|r| r.advance(now_ms));
-        let context = RouteContext {
-            now_ms,
-            replicas: &replicas,
-            model: &config.model,
-            block_size: trace.block_size,
-        };
-        let target = router.route(&context, request)?;
-        if target >= replicas.len() {
+        run.advance(now_ms, router)?;
+        let target = router.route(&run.context(now_ms), request)?;
+        if target >= run.replicas.len() {
             return Err(ReplayError::Setting {
                 flag: "policies",
-                reason: format!("{policy} routed to replica {target} of {}", replicas.len()),
+                reason: format!("{policy} routed to replica {target} of {}", config.replicas),
             });
         }
-        stored.clear();
-        evicted.clear();
-        let cache = pooled.as_mut().unwrap_or(&mut replicas[target].cache);
-        let hits = cache.admit(&request.blocks, &mut stored, &mut evicted);
-        let hit = trace.leading_tokens(request, hits);
-        hit_blocks += hits as u64;
-        hit_tokens += hit;
-        tokens += u64::from(request.input_tokens);
-        let served = Served {
-            prompt_tokens: u64::from(request.input_tokens),
-            uncached_tokens: u64::from(request.input_tokens) - hit,
-            output_tokens: request.output_tokens,
-            blocks: request.blocks.len() as u64,
-        };
-        ttfts.push(replicas[target].serve(now_ms, served, &config.model));
-        let context = RouteContext {
-            now_ms,
-            replicas: &replicas,
-            model: &config.model,
-            block_size: trace.block_size,
-        };
-        router.admitted(&context, target, request, &stored, &evicted)?;
+        run.serve(now_ms, target, request);
+        router.admitted(
+            &run.context(now_ms),
+            target,
+            request,
+            &run.stored,
+            &run.evicted,
+        )?;
         if let Some(progress) = progress
             && i % 64 == 63
         {
@@ -299,42 +266,133 @@ pub fn simulate_with(
     if let Some(progress) = progress {
         progress.fetch_add(trace.requests.len() as u64 % 64, Ordering::Relaxed);
     }
-    let requests = trace.requests.len() as u64;
-    let blocks = trace.total_blocks();
-    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-    let reasons = router.reasons().map(|counts| {
-        counts
-            .into_iter()
-            .map(|(code, count)| ReasonShare {
-                share: ratio(count, requests),
-                code,
-                count,
-            })
-            .collect()
-    });
-    Ok(PolicyResult {
-        policy: policy.id(),
-        label: policy.label(),
-        requests,
-        hit_blocks,
-        blocks,
-        hit_tokens,
-        tokens,
-        block_hit_rate: ratio(hit_blocks, blocks),
-        token_hit_rate: ratio(hit_tokens, tokens),
-        oracle_ratio: None,
-        ttft_ms: TtftSummary::from_values(&mut ttfts),
-        requests_per_replica: Spread::new(replicas.iter().map(|r| r.requests).collect()),
-        prefill_tokens_per_replica: Spread::new(
-            replicas.iter().map(|r| r.prefill_tokens).collect(),
-        ),
-        cached_blocks: match &pooled {
-            Some(cache) => vec![cache.len() as u64],
-            None => replicas.iter().map(|r| r.cache.len() as u64).collect(),
-        },
-        reasons,
-        wall_seconds: started.elapsed().as_secs_f64(),
-    })
+    Ok(run.into_result(policy, router.reasons(), started))
+}
+
+/// The state of one row's replay.
+struct Run<'a> {
+    trace: &'a Trace,
+    config: &'a SimConfig,
+    replicas: Vec<Replica>,
+    /// The pooled oracle's shared cache.
+    pooled: Option<BlockLru>,
+    ttfts: Vec<f64>,
+    hit_blocks: u64,
+    hit_tokens: u64,
+    tokens: u64,
+    /// Net blocks stored and evicted by the last request.
+    stored: Vec<u64>,
+    evicted: Vec<u64>,
+    next_stats_ms: f64,
+}
+
+impl<'a> Run<'a> {
+    fn new(trace: &'a Trace, config: &'a SimConfig, policy: Policy) -> Self {
+        Self {
+            trace,
+            config,
+            replicas: (0..config.replicas)
+                .map(|_| Replica::new(config.capacity_blocks))
+                .collect(),
+            pooled: (policy == Policy::PooledOracle)
+                .then(|| BlockLru::new(config.capacity_blocks.saturating_mul(config.replicas))),
+            ttfts: Vec::with_capacity(trace.requests.len()),
+            hit_blocks: 0,
+            hit_tokens: 0,
+            tokens: 0,
+            stored: Vec::new(),
+            evicted: Vec::new(),
+            next_stats_ms: config.stats_interval_ms,
+        }
+    }
+
+    /// Reports the stats intervals that end by `now_ms`, each at its own
+    /// instant, then brings every replica to `now_ms`.
+    fn advance(&mut self, now_ms: f64, router: &mut dyn Router) -> Result<(), ReplayError> {
+        while self.next_stats_ms <= now_ms {
+            let at = self.next_stats_ms;
+            self.replicas.iter_mut().for_each(|r| r.advance(at));
+            router.report_stats(at, &self.replicas)?;
+            self.next_stats_ms += self.config.stats_interval_ms;
+        }
+        self.replicas.iter_mut().for_each(|r| r.advance(now_ms));
+        Ok(())
+    }
+
+    fn context(&self, now_ms: f64) -> RouteContext<'_> {
+        RouteContext {
+            now_ms,
+            replicas: &self.replicas,
+            model: &self.config.model,
+            block_size: self.trace.block_size,
+        }
+    }
+
+    /// `target` serves `request`: hits, admission, FIFO prefill, counters.
+    fn serve(&mut self, now_ms: f64, target: usize, request: &Request) {
+        self.stored.clear();
+        self.evicted.clear();
+        let cache = match self.pooled.as_mut() {
+            Some(pooled) => pooled,
+            None => &mut self.replicas[target].cache,
+        };
+        let hits = cache.admit(&request.blocks, &mut self.stored, &mut self.evicted);
+        let hit = self.trace.leading_tokens(request, hits);
+        self.hit_blocks += hits as u64;
+        self.hit_tokens += hit;
+        self.tokens += u64::from(request.input_tokens);
+        let served = Served {
+            prompt_tokens: u64::from(request.input_tokens),
+            uncached_tokens: u64::from(request.input_tokens) - hit,
+            output_tokens: request.output_tokens,
+            blocks: request.blocks.len() as u64,
+        };
+        let ttft = self.replicas[target].serve(now_ms, served, &self.config.model);
+        self.ttfts.push(ttft);
+    }
+
+    fn into_result(
+        mut self,
+        policy: Policy,
+        reasons: Option<Vec<(String, u64)>>,
+        started: Instant,
+    ) -> PolicyResult {
+        let requests = self.trace.requests.len() as u64;
+        let blocks = self.trace.total_blocks();
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let reasons = reasons.map(|counts| {
+            counts
+                .into_iter()
+                .map(|(code, count)| ReasonShare {
+                    share: ratio(count, requests),
+                    code,
+                    count,
+                })
+                .collect()
+        });
+        let per_replica = |f: fn(&Replica) -> u64| self.replicas.iter().map(f).collect();
+        PolicyResult {
+            policy: policy.id(),
+            label: policy.label(),
+            requests,
+            hit_blocks: self.hit_blocks,
+            blocks,
+            hit_tokens: self.hit_tokens,
+            tokens: self.tokens,
+            block_hit_rate: ratio(self.hit_blocks, blocks),
+            token_hit_rate: ratio(self.hit_tokens, self.tokens),
+            oracle_ratio: None,
+            ttft_ms: TtftSummary::from_values(&mut self.ttfts),
+            requests_per_replica: Spread::new(per_replica(|r| r.requests)),
+            prefill_tokens_per_replica: Spread::new(per_replica(|r| r.prefill_tokens)),
+            cached_blocks: match &self.pooled {
+                Some(cache) => vec![cache.len() as u64],
+                None => per_replica(|r| r.cache.len() as u64),
+            },
+            reasons,
+            wall_seconds: started.elapsed().as_secs_f64(),
+        }
+    }
 }
 
 /// Fills every row's `oracle_ratio` from the pooled-oracle row, if present.
