@@ -3,7 +3,7 @@
 //! The root context parses the plugin configuration in `on_configure` and
 //! returns `false` on error (Envoy then refuses the plugin), after logging the
 //! field at fault. It defines every counter once and hands each HTTP context
-//! an `Rc` of the settings and metric ids. Each HTTP context implements
+//! an `Rc` of the settings and metric ids (counters and histograms). Each HTTP context implements
 //! [`Host`] with proxy-wasm host calls; header values are read as bytes so
 //! non-UTF-8 request data can never panic. Nothing here decides anything.
 
@@ -16,7 +16,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{self, BufferType, ContextType, MapType, MetricType};
 
-use crate::{Action, DispatchError, Host, LogLevel, RequestFlow, Settings, all_metrics};
+use crate::{
+    Action, DispatchError, Host, LogLevel, RequestFlow, Settings, all_histograms, all_metrics,
+};
 
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(FilterRoot::default()) });
@@ -40,6 +42,11 @@ impl RootContext for FilterRoot {
                 let mut ids = self.metrics.borrow_mut();
                 for name in all_metrics() {
                     if let Ok(id) = hostcalls::define_metric(MetricType::Counter, name) {
+                        ids.insert(name, id);
+                    }
+                }
+                for name in all_histograms() {
+                    if let Ok(id) = hostcalls::define_metric(MetricType::Histogram, name) {
                         ids.insert(name, id);
                     }
                 }
@@ -128,6 +135,19 @@ impl HttpContext for FilterStream {
     ) -> types::Action {
         sdk_action(self.flow.on_response_headers(&mut self.host))
     }
+
+    // The flow always continues response chunks, so the host's body buffer
+    // holds only the current chunk: `body_size` bytes of it.
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
+        sdk_action(
+            self.flow
+                .on_response_body(&mut self.host, body_size, end_of_stream),
+        )
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        sdk_action(self.flow.on_response_trailers(&mut self.host))
+    }
 }
 
 fn sdk_action(action: Action) -> types::Action {
@@ -215,6 +235,25 @@ impl Host for EnvoyHost {
 
     fn set_property(&mut self, path: &[&str], value: &[u8]) {
         let _ = hostcalls::set_property(path.to_vec(), Some(value));
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn record_histogram(&mut self, name: &'static str, value: u64) {
+        let id = self.metrics.borrow().get(name).copied();
+        if let Some(id) = id {
+            let _ = hostcalls::record_metric(id, value);
+        }
     }
 
     fn increment_counter(&mut self, name: &'static str) {

@@ -27,6 +27,8 @@ pub const DEFAULT_HASH_SCHEME: &str = "vllm";
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 /// Default `max_body_bytes`: Envoy's default per-connection buffer limit.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default `max_response_body_bytes`: the most of one response copied to measure cache reuse.
+pub const DEFAULT_MAX_RESPONSE_BODY_BYTES: usize = 1 << 20;
 /// Default `routable_reasons`.
 pub const DEFAULT_ROUTABLE_REASONS: [&str; 3] = [
     reason::PREFIX_MATCH,
@@ -159,6 +161,12 @@ pub struct Settings {
     pub routable_reasons: HashSet<String>,
     /// Bodies larger than this are not buffered; the request continues untouched.
     pub max_body_bytes: usize,
+    /// Most bytes of a looked-up request's response copied (JSON) or held as
+    /// one unfinished line (event stream) to read the engine's
+    /// `cached_tokens`; past it the measurement stops (counted) and the
+    /// response is untouched. `0` turns the measurement off. vLLM reports
+    /// `cached_tokens` only when started with `--enable-prompt-tokens-details`.
+    pub max_response_body_bytes: usize,
 }
 
 impl Settings {
@@ -184,6 +192,7 @@ impl Settings {
                 .map(|code| (*code).to_owned())
                 .collect(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_response_body_bytes: DEFAULT_MAX_RESPONSE_BODY_BYTES,
         }
     }
 
@@ -290,6 +299,11 @@ impl Settings {
             "max_body_bytes" => {
                 let size = integer_in(key, value, 1, MAX_BODY_LIMIT)?;
                 self.max_body_bytes = usize::try_from(size)
+                    .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
+            }
+            "max_response_body_bytes" => {
+                let size = integer_in(key, value, 0, MAX_BODY_LIMIT)?;
+                self.max_response_body_bytes = usize::try_from(size)
                     .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
             }
             other => {
@@ -568,6 +582,7 @@ mod tests {
             Some(DEFAULT_REASON_HEADER)
         );
         assert_eq!(settings.max_body_bytes, 1 << 20);
+        assert_eq!(settings.max_response_body_bytes, 1 << 20);
         assert_eq!(settings.routable_reasons.len(), 3);
         assert!(settings.routable_reasons.contains("AFFINITY_HINT"));
         assert_eq!(settings.tenant, TenantSource::Fixed);
@@ -593,10 +608,12 @@ mod tests {
                     "alias": "qwen"
                 },
                 "routable_reasons": ["PREFIX_MATCH"],
-                "max_body_bytes": 4194304
+                "max_body_bytes": 4194304,
+                "max_response_body_bytes": 0
             }"#,
         )
         .expect("valid config");
+        assert_eq!(settings.max_response_body_bytes, 0);
         assert_eq!(settings.tenant, TenantSource::Header("x-tenant-id".into()));
         assert_eq!(settings.reason_header, None);
         assert_eq!(settings.block_size, 32);

@@ -11,6 +11,12 @@
 //!    │ routable reason → set destination header
 //!    ▼
 //! resume ──▶ response headers: remove any reason header; add ours only when exposed
+//!    │ looked up, 2xx, JSON or event stream, not compressed
+//!    ▼
+//! response body chunks: copied (bounded) as they pass, never held
+//!    │ end of stream: read `cached_tokens`, compare with `matched_tokens`
+//!    ▼
+//! accuracy counters and ratio histogram (see [`crate::accuracy`])
 //! ```
 //!
 //! The adapter maps [`Action`] onto proxy-wasm's and forwards callbacks; the
@@ -23,6 +29,11 @@ use std::time::Duration;
 use inference_cache_proto::v1alpha1::LookupRouteResponse;
 use prost::Message;
 
+use crate::accuracy::{
+    BodyKind, EventStreamReader, RESPONSE_ENCODED_METRIC, RESPONSE_PARSE_ERROR_METRIC,
+    RESPONSE_TOO_LARGE_METRIC, Usage, body_kind, json_usage, ratio_percent, reason_metrics,
+    verdict,
+};
 use crate::config::{Settings, TenantSource};
 use crate::outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, decide,
@@ -97,8 +108,14 @@ pub trait Host {
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
     /// Stores a value in the request's filter state (readable by access logs).
     fn set_property(&mut self, path: &[&str], value: &[u8]);
+    /// A response header's value (name lower-case), or `None` when absent.
+    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// The first `size` bytes of the response body chunk being delivered.
+    fn response_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Adds one to a counter from [`crate::all_metrics`].
     fn increment_counter(&mut self, name: &'static str);
+    /// Records a value in a histogram from [`crate::all_histograms`].
+    fn record_histogram(&mut self, name: &'static str, value: u64);
     /// Writes a log line.
     fn log(&self, level: LogLevel, message: &str);
 }
@@ -113,12 +130,29 @@ enum State {
     AwaitingLookup(u32),
 }
 
+/// What the lookup promised: the reason code and the reuse it predicted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Prediction {
+    reason: String,
+    /// The routed replica's `matched_tokens`; zero when not routed on the hint.
+    matched_tokens: u64,
+}
+
+/// The response body being read for its `usage`.
+#[derive(Debug)]
+enum ResponseReader {
+    Json(Vec<u8>),
+    EventStream(EventStreamReader),
+}
+
 /// One request's path through the filter.
 #[derive(Debug)]
 pub struct RequestFlow {
     settings: Rc<Settings>,
     state: State,
     outcome: Option<Outcome>,
+    prediction: Option<Prediction>,
+    response: Option<ResponseReader>,
 }
 
 impl RequestFlow {
@@ -128,6 +162,8 @@ impl RequestFlow {
             settings,
             state: State::Idle,
             outcome: None,
+            prediction: None,
+            response: None,
         }
     }
 
@@ -253,7 +289,19 @@ impl RequestFlow {
             match LookupRouteResponse::decode(body.as_slice()) {
                 Ok(response) => {
                     host.increment_counter(reason_metric(&response.reason_code));
-                    decide(&self.settings, &response)
+                    let outcome = decide(&self.settings, &response);
+                    let matched_tokens = match &outcome {
+                        Outcome::Routed { .. } => response
+                            .replica_scores
+                            .first()
+                            .map_or(0, |top| u64::try_from(top.matched_tokens).unwrap_or(0)),
+                        _ => 0,
+                    };
+                    self.prediction = Some(Prediction {
+                        reason: response.reason_code.clone(),
+                        matched_tokens,
+                    });
+                    outcome
                 }
                 Err(_) => Outcome::Failed(FailureKind::DecodeError),
             }
@@ -285,7 +333,118 @@ impl RequestFlow {
                 host.add_response_header(name, outcome.header_value());
             }
         }
+        self.response = self.response_reader(host);
         Action::Continue
+    }
+
+    /// Whether (and how) to read this response for the engine's `usage`:
+    /// only after a lookup answered, only a 2xx uncompressed JSON or event
+    /// stream, and only when measurement is on.
+    fn response_reader(&self, host: &mut dyn Host) -> Option<ResponseReader> {
+        self.prediction.as_ref()?;
+        if self.settings.max_response_body_bytes == 0 {
+            return None;
+        }
+        let status = response_header_string(host, ":status");
+        if !status.starts_with('2') {
+            return None;
+        }
+        let kind = body_kind(&response_header_string(host, "content-type"))?;
+        let encoding = response_header_string(host, "content-encoding");
+        if !encoding.is_empty() && !encoding.eq_ignore_ascii_case("identity") {
+            host.increment_counter(RESPONSE_ENCODED_METRIC);
+            return None;
+        }
+        Some(match kind {
+            BodyKind::Json => ResponseReader::Json(Vec::new()),
+            BodyKind::EventStream => ResponseReader::EventStream(EventStreamReader::new(
+                self.settings.max_response_body_bytes,
+            )),
+        })
+    }
+
+    /// A response body chunk of `chunk_size` bytes passes; it always continues.
+    ///
+    /// The chunk is copied (bounded by `max_response_body_bytes`), never held:
+    /// a streaming response reaches the client exactly as fast as without
+    /// the filter.
+    pub fn on_response_body(
+        &mut self,
+        host: &mut dyn Host,
+        chunk_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        if self.response.is_none() {
+            return Action::Continue;
+        }
+        let chunk = if chunk_size == 0 {
+            Vec::new()
+        } else {
+            host.response_body(chunk_size).unwrap_or_default()
+        };
+        let limit = self.settings.max_response_body_bytes;
+        let fits = match &mut self.response {
+            Some(ResponseReader::Json(body)) => {
+                let fits = body.len() + chunk.len() <= limit;
+                if fits {
+                    body.extend_from_slice(&chunk);
+                }
+                fits
+            }
+            Some(ResponseReader::EventStream(reader)) => reader.push(&chunk).is_ok(),
+            None => true,
+        };
+        if !fits {
+            self.response = None;
+            host.increment_counter(RESPONSE_TOO_LARGE_METRIC);
+            return Action::Continue;
+        }
+        if end_of_stream {
+            self.finish_response(host);
+        }
+        Action::Continue
+    }
+
+    /// Response trailers arrived: the body is complete.
+    pub fn on_response_trailers(&mut self, host: &mut dyn Host) -> Action {
+        self.finish_response(host);
+        Action::Continue
+    }
+
+    fn finish_response(&mut self, host: &mut dyn Host) {
+        let Some(reader) = self.response.take() else {
+            return;
+        };
+        let Some(prediction) = &self.prediction else {
+            return;
+        };
+        let usage = match reader {
+            ResponseReader::Json(body) => match json_usage(&body) {
+                Ok(usage) => usage,
+                Err(_) => {
+                    host.increment_counter(RESPONSE_PARSE_ERROR_METRIC);
+                    return;
+                }
+            },
+            ResponseReader::EventStream(reader) => reader.finish(),
+        };
+        let metrics = reason_metrics(&prediction.reason);
+        let Some(cached) = usage.and_then(|Usage { cached_tokens, .. }| cached_tokens) else {
+            host.increment_counter(metrics.no_usage);
+            return;
+        };
+        let predicted = prediction.matched_tokens;
+        host.increment_counter(metrics.counter(verdict(predicted, cached)));
+        if let Some(percent) = ratio_percent(predicted, cached) {
+            host.record_histogram(metrics.ratio_percent, percent);
+        }
+        host.log(
+            LogLevel::Debug,
+            &format!(
+                "{}: predicted {predicted} cached tokens, engine reported {cached}",
+                metrics.code
+            ),
+        );
     }
 
     fn fail(&mut self, host: &mut dyn Host, kind: FailureKind) {
@@ -315,6 +474,12 @@ impl RequestFlow {
 fn header_string(host: &dyn Host, name: &str) -> String {
     host.request_header(name)
         .map(|value| String::from_utf8_lossy(&value).into_owned())
+        .unwrap_or_default()
+}
+
+fn response_header_string(host: &dyn Host, name: &str) -> String {
+    host.response_header(name)
+        .map(|value| String::from_utf8_lossy(&value).trim().to_owned())
         .unwrap_or_default()
 }
 

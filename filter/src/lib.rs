@@ -19,6 +19,10 @@
 //!   on a response ([`decide`], [`Outcome`]) and the per-request state
 //!   machine [`RequestFlow`], which talks to Envoy only through the [`Host`]
 //!   trait;
+//! - the response side ([`crate::accuracy`]): for a request it looked up, the
+//!   filter reads the engine's `usage.prompt_tokens_details.cached_tokens`
+//!   as the response passes (never holding it) and counts how the actual
+//!   reuse compares with the `matched_tokens` the hint promised;
 //! - a thin proxy-wasm adapter (only on `wasm32`) mapping SDK callbacks onto
 //!   [`RequestFlow`] and implementing [`Host`] with proxy-wasm host calls.
 //!
@@ -39,6 +43,7 @@
 //! Build the plugin: `cargo build -p inference-cache-filter --target wasm32-wasip1 --profile wasm`
 //! (output `target/wasm32-wasip1/wasm/inference_cache_filter.wasm`).
 
+mod accuracy;
 mod config;
 mod flow;
 mod outcome;
@@ -47,18 +52,23 @@ mod request;
 #[cfg(target_arch = "wasm32")]
 mod adapter;
 
+pub use accuracy::{
+    BodyKind, EventStreamReader, REASON_METRICS, RESPONSE_ENCODED_METRIC,
+    RESPONSE_PARSE_ERROR_METRIC, RESPONSE_TOO_LARGE_METRIC, ReasonMetrics, Usage, Verdict,
+    body_kind, json_usage, reason_metrics, verdict,
+};
 pub use config::{
     ConfigError, DEFAULT_BLOCK_SIZE, DEFAULT_DESTINATION_HEADER, DEFAULT_HASH_SCHEME,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_REASON_HEADER, DEFAULT_ROUTABLE_REASONS, DEFAULT_TIMEOUT_MS,
-    ModelTarget, Settings, TenantSource,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BODY_BYTES, DEFAULT_REASON_HEADER,
+    DEFAULT_ROUTABLE_REASONS, DEFAULT_TIMEOUT_MS, ModelTarget, Settings, TenantSource,
 };
 pub use flow::{
     Action, DispatchError, Host, LOOKUP_METHOD, LOOKUP_SERVICE, LogLevel, REASON_PROPERTY,
     RequestFlow,
 };
 pub use outcome::{
-    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, all_metrics,
-    decide, reason_metric,
+    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC,
+    all_histograms, all_metrics, decide, reason_metric,
 };
 pub use request::{
     Api, BodyError, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, ParsedRequest, PromptInput, classify,

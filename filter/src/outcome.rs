@@ -128,7 +128,13 @@ pub fn all_metrics() -> Vec<&'static str> {
     names.extend(KNOWN_REASONS.iter().map(|code| reason_metric(code)));
     names.push(reason_metric(""));
     names.extend(FailureKind::ALL.iter().map(|kind| kind.metric()));
+    names.extend(crate::accuracy::accuracy_counters());
     names
+}
+
+/// Every histogram the filter may record into.
+pub fn all_histograms() -> Vec<&'static str> {
+    crate::accuracy::accuracy_histograms()
 }
 
 /// How one inference request ended.

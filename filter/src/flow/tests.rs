@@ -16,6 +16,9 @@ struct FakeHost {
     grpc_body: Vec<u8>,
     resumed: u32,
     counters: HashMap<&'static str, u64>,
+    histograms: HashMap<&'static str, Vec<u64>>,
+    response_in: Vec<(String, String)>,
+    response_chunk: Vec<u8>,
     logs: std::cell::RefCell<Vec<String>>,
     properties: HashMap<String, Vec<u8>>,
     /// Paths read with `property`, joined with '.'.
@@ -106,8 +109,20 @@ impl Host for FakeHost {
     fn set_property(&mut self, path: &[&str], value: &[u8]) {
         self.properties.insert(path.join("."), value.to_vec());
     }
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.response_in
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_bytes().to_vec())
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        Some(self.response_chunk[..size.min(self.response_chunk.len())].to_vec())
+    }
     fn increment_counter(&mut self, name: &'static str) {
         *self.counters.entry(name).or_default() += 1;
+    }
+    fn record_histogram(&mut self, name: &'static str, value: u64) {
+        self.histograms.entry(name).or_default().push(value);
     }
     fn log(&self, _level: LogLevel, message: &str) {
         self.logs.borrow_mut().push(message.to_owned());
@@ -513,4 +528,250 @@ fn fixed_tenant_reads_nothing_from_the_request() {
     send(&mut flow, &mut host);
     assert_eq!(host.sent_request().tenant_id, "fallback");
     assert!(host.property_reads.borrow().is_empty());
+}
+
+/// Looks a token prompt up and answers with `reason`, the top replica
+/// `replica-a` promising `matched` tokens.
+fn looked_up(reason: &str, matched: i32) -> (RequestFlow, FakeHost) {
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings());
+    assert_eq!(send(&mut flow, &mut host), Action::Pause);
+    host.grpc_body = LookupRouteResponse {
+        reason_code: reason.into(),
+        replica_scores: vec![ReplicaScore {
+            replica_id: "replica-a".into(),
+            matched_tokens: matched,
+            ..ReplicaScore::default()
+        }],
+        ..LookupRouteResponse::default()
+    }
+    .encode_to_vec();
+    let size = host.grpc_body.len();
+    flow.on_lookup_response(&mut host, 7, 0, size);
+    (flow, host)
+}
+
+/// Delivers a response: headers, then `body` in chunks of `chunk` bytes.
+fn deliver(
+    flow: &mut RequestFlow,
+    host: &mut FakeHost,
+    content_type: &str,
+    body: &[u8],
+    chunk: usize,
+) {
+    host.response_in = vec![
+        (":status".into(), "200".into()),
+        ("content-type".into(), content_type.into()),
+    ];
+    assert_eq!(flow.on_response_headers(host), Action::Continue);
+    let chunks: Vec<&[u8]> = body.chunks(chunk).collect();
+    for (index, part) in chunks.iter().enumerate() {
+        host.response_chunk = part.to_vec();
+        let last = index + 1 == chunks.len();
+        assert_eq!(
+            flow.on_response_body(host, part.len(), last),
+            Action::Continue
+        );
+    }
+}
+
+fn usage_json(cached: u64) -> Vec<u8> {
+    format!(
+        r#"{{"id":"cmpl-1","object":"text_completion","choices":[{{"text":"hi"}}],"usage":{{"prompt_tokens":18,"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+    )
+    .into_bytes()
+}
+
+const PM: &str = "inferencecache_filter.accuracy.PREFIX_MATCH";
+
+#[test]
+fn json_response_hit_is_compared_with_the_prediction() {
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    deliver(&mut flow, &mut host, "application/json", &usage_json(8), 10);
+    assert_eq!(host.counter(&format!("{PM}.hinted_hit")), 1);
+    assert_eq!(host.counter(&format!("{PM}.hinted_miss")), 0);
+    assert_eq!(
+        host.histograms.get(format!("{PM}.ratio_percent").as_str()),
+        Some(&vec![50])
+    );
+}
+
+#[test]
+fn json_response_miss_after_a_prefix_match_is_counted() {
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    deliver(
+        &mut flow,
+        &mut host,
+        "application/json",
+        &usage_json(0),
+        1000,
+    );
+    assert_eq!(host.counter(&format!("{PM}.hinted_miss")), 1);
+    assert_eq!(
+        host.histograms.get(format!("{PM}.ratio_percent").as_str()),
+        Some(&vec![0])
+    );
+}
+
+#[test]
+fn hit_without_a_routed_prediction_is_not_hinted() {
+    let (mut flow, mut host) = looked_up("NO_HINT", 16);
+    deliver(&mut flow, &mut host, "application/json", &usage_json(16), 7);
+    assert_eq!(
+        host.counter("inferencecache_filter.accuracy.NO_HINT.not_hinted_hit"),
+        1
+    );
+    assert!(host.histograms.is_empty());
+    let (mut flow, mut host) = looked_up("SOMETHING_NEW", 0);
+    deliver(&mut flow, &mut host, "application/json", &usage_json(0), 7);
+    assert_eq!(
+        host.counter("inferencecache_filter.accuracy.OTHER.not_hinted_miss"),
+        1
+    );
+}
+
+#[test]
+fn event_stream_final_usage_chunk_is_read_without_holding_the_stream() {
+    let stream = concat!(
+        "data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":18,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n",
+        "data: [DONE]\n\n",
+    );
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    deliver(
+        &mut flow,
+        &mut host,
+        "text/event-stream",
+        stream.as_bytes(),
+        13,
+    );
+    assert_eq!(host.counter(&format!("{PM}.hinted_hit")), 1);
+    assert_eq!(
+        host.histograms.get(format!("{PM}.ratio_percent").as_str()),
+        Some(&vec![100])
+    );
+}
+
+#[test]
+fn responses_without_cached_tokens_count_as_no_usage() {
+    let stream = "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n";
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    deliver(
+        &mut flow,
+        &mut host,
+        "text/event-stream",
+        stream.as_bytes(),
+        5,
+    );
+    assert_eq!(host.counter(&format!("{PM}.no_usage")), 1);
+    // vLLM without --enable-prompt-tokens-details.
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    let body = br#"{"choices":[],"usage":{"prompt_tokens":18,"prompt_tokens_details":null}}"#;
+    deliver(&mut flow, &mut host, "application/json", body, 64);
+    assert_eq!(host.counter(&format!("{PM}.no_usage")), 1);
+    assert!(host.histograms.is_empty());
+}
+
+#[test]
+fn oversized_or_unparsable_responses_stop_the_measurement() {
+    let mut small = (*settings()).clone();
+    small.max_response_body_bytes = 32;
+    let (_, mut host) = looked_up("PREFIX_MATCH", 16);
+    let mut flow = RequestFlow::new(Rc::new(small));
+    host.calls.clear();
+    assert_eq!(send(&mut flow, &mut host), Action::Pause);
+    let size = host.grpc_body.len();
+    flow.on_lookup_response(&mut host, 7, 0, size);
+    deliver(
+        &mut flow,
+        &mut host,
+        "application/json",
+        &usage_json(16),
+        10,
+    );
+    assert_eq!(
+        host.counter("inferencecache_filter.accuracy.response_too_large"),
+        1
+    );
+    assert_eq!(host.counter(&format!("{PM}.hinted_hit")), 0);
+
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+    deliver(&mut flow, &mut host, "application/json", b"{\"usage\":", 4);
+    assert_eq!(
+        host.counter("inferencecache_filter.accuracy.parse_error"),
+        1
+    );
+}
+
+#[test]
+fn only_looked_up_successful_plain_responses_are_read() {
+    // Not looked up: a request the filter never classified.
+    let mut host = FakeHost::request("GET", "/v1/models", b"");
+    let mut flow = RequestFlow::new(settings());
+    flow.on_request_headers(&mut host, true);
+    deliver(&mut flow, &mut host, "application/json", &usage_json(16), 8);
+    // Looked up, but the lookup failed: no prediction.
+    let (mut flow, mut host) = {
+        let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+        let mut flow = RequestFlow::new(settings());
+        send(&mut flow, &mut host);
+        flow.on_lookup_response(&mut host, 7, 14, 0);
+        (flow, host)
+    };
+    deliver(&mut flow, &mut host, "application/json", &usage_json(16), 8);
+    assert!(
+        host.counters
+            .keys()
+            .all(|name| !name.starts_with("inferencecache_filter.accuracy.")),
+        "{:?}",
+        host.counters
+    );
+    // An error status, a compressed body, another content type.
+    for (status, content_type, encoding) in [
+        ("500", "application/json", ""),
+        ("200", "application/json", "gzip"),
+        ("200", "text/plain", ""),
+    ] {
+        let (mut flow, mut host) = looked_up("PREFIX_MATCH", 16);
+        host.response_in = vec![
+            (":status".into(), status.into()),
+            ("content-type".into(), content_type.into()),
+        ];
+        if !encoding.is_empty() {
+            host.response_in
+                .push(("content-encoding".into(), encoding.into()));
+        }
+        flow.on_response_headers(&mut host);
+        host.response_chunk = usage_json(16);
+        let size = host.response_chunk.len();
+        assert_eq!(
+            flow.on_response_body(&mut host, size, true),
+            Action::Continue
+        );
+        let measured = host
+            .counters
+            .keys()
+            .filter(|name| name.starts_with(PM))
+            .count();
+        assert_eq!(measured, 0, "{status} {content_type} {encoding}");
+    }
+}
+
+#[test]
+fn trailers_end_a_measured_response() {
+    let (mut flow, mut host) = looked_up("PREFIX_MATCH", 32);
+    host.response_in = vec![
+        (":status".into(), "200".into()),
+        ("content-type".into(), "application/json".into()),
+    ];
+    flow.on_response_headers(&mut host);
+    host.response_chunk = usage_json(16);
+    let size = host.response_chunk.len();
+    flow.on_response_body(&mut host, size, false);
+    assert_eq!(flow.on_response_trailers(&mut host), Action::Continue);
+    assert_eq!(host.counter(&format!("{PM}.hinted_hit")), 1);
+    assert_eq!(
+        host.histograms.get(format!("{PM}.ratio_percent").as_str()),
+        Some(&vec![50])
+    );
 }
