@@ -131,7 +131,7 @@ async fn ttl_sweep_expires_by_tenant_ttl() {
 }
 
 #[tokio::test]
-async fn global_cap_evicts_least_recently_seen() {
+async fn global_cap_holds_at_ingest_and_evicts_least_recently_seen() {
     let open =
         "  minimumMatchedTokens: 0\n  routingFloorScore: \"0\"\n  affinityRouting: Disabled\n";
     let mut h = Harness::start_with(&policy_doc("*", open), |c| {
@@ -139,27 +139,39 @@ async fn global_cap_evicts_least_recently_seen() {
         c.index.max_index_entries = 3;
     })
     .await;
+    // Past the cap, new entries are refused at ingest: the count never
+    // exceeds it, not even between two sweeps.
     for i in 0..5u64 {
         h.hold("A", &chain(i..i + 1)).await;
+        assert!(h.metric("inferencecache_index_entries").await <= Some(3.0));
         h.clock.advance(Duration::from_secs(1));
     }
-    eventually("capped", || async {
-        h.metric("inferencecache_index_entries").await == Some(3.0)
+    assert_eq!(
+        h.metric("inferencecache_ingest_refused_total").await,
+        Some(2.0)
+    );
+    // The sweep then makes room by evicting the least recently seen.
+    eventually("room made", || async {
+        h.metric("inferencecache_index_evictions_total{reason=\"capacity\"}")
+            .await
+            == Some(1.0)
     })
     .await;
     assert_eq!(
-        h.metric("inferencecache_index_evictions_total{reason=\"capacity\"}")
-            .await,
-        Some(2.0)
-    );
-    assert_eq!(
-        h.lookup(chain_lookup(&chain(1..2))).await.reason_code,
+        h.lookup(chain_lookup(&chain(0..1))).await.reason_code,
         "NO_HINT"
     );
     assert_eq!(
-        h.lookup(chain_lookup(&chain(2..3))).await.reason_code,
+        h.lookup(chain_lookup(&chain(1..2))).await.reason_code,
         "PREFIX_MATCH"
     );
+    // A block reported again now finds room.
+    h.hold("A", &chain(4..5)).await;
+    assert_eq!(
+        h.lookup(chain_lookup(&chain(4..5))).await.reason_code,
+        "PREFIX_MATCH"
+    );
+    assert_eq!(h.metric("inferencecache_index_entries").await, Some(3.0));
     h.stop().await;
 }
 

@@ -243,6 +243,8 @@ async fn slow_tokenization_times_out_and_fails_open() -> anyhow::Result<()> {
     )?;
     let mut config = ServeConfig::ephemeral();
     config.index.policy_file = Some(policy);
+    // Let the prompt past the byte limit so the tokenizer itself is timed.
+    config.limits.max_prompt_bytes = 64 << 20;
     let server = server_with(config).await?;
     let mut client = server.client().await?;
     // Several megabytes of text take far longer than 1 ms to tokenize.
