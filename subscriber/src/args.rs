@@ -66,7 +66,10 @@ pub struct SubscribeArgs {
     pub hash_scheme: String,
 
     /// Tokens per KV block; must equal the engine's block size and the
-    /// server's `--engine-block-size`.
+    /// server's `--engine-block-size`. Checked against the engine's
+    /// `vllm:cache_config_info` (with `--engine-metrics-url`) and the
+    /// `block_size` of its events; a mismatch is logged, exported as
+    /// `inferencecache_subscriber_config_mismatch` and fails `/readyz`.
     #[arg(long, env = "ENGINE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
 
@@ -151,7 +154,9 @@ pub struct SubscribeArgs {
     #[arg(long, env = "INFERENCE_CACHE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
-    /// Listen address of the subscriber's own `/metrics`; `off` disables it.
+    /// Listen address of the subscriber's own `/metrics`, `/healthz` and
+    /// `/readyz` (503 while the engine's cache configuration disagrees with
+    /// `--block-size` or prefix caching is off); `off` disables it.
     #[arg(
         long,
         env = "SUBSCRIBER_METRICS_LISTEN",

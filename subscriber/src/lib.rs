@@ -76,6 +76,7 @@ pub mod load;
 mod metrics;
 mod pipeline;
 mod report;
+pub mod selfcheck;
 mod source;
 mod tracker;
 
@@ -170,6 +171,7 @@ impl Subscriber {
                 url,
                 settings.metrics_interval,
                 settings.replica_id.clone(),
+                settings.block_size,
                 tx,
                 metrics.clone(),
                 shutdown_rx.clone(),

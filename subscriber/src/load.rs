@@ -30,6 +30,9 @@
 //! (connect, HTTP status, timeout, a page with none of the load metrics) is
 //! counted and logged at most once a minute, and sends nothing: the server
 //! treats stats it has not heard about for a while as unknown.
+//!
+//! Every scrape also checks the engine's cache configuration
+//! (`vllm:cache_config_info`) against `--block-size`: see [`crate::selfcheck`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -394,6 +397,7 @@ pub(crate) async fn fetch(url: &MetricsUrl) -> Result<String, ScrapeError> {
 pub(crate) async fn scrape_once(
     url: &MetricsUrl,
     timeout: Duration,
+    block_size: u32,
     estimator: &mut LoadEstimator,
     metrics: &Metrics,
 ) -> Result<EngineLoad, ScrapeError> {
@@ -404,6 +408,9 @@ pub(crate) async fn scrape_once(
     metrics
         .engine_lines_malformed
         .inc_by(exposition.malformed_lines as u64);
+    metrics
+        .config_check
+        .check_page(&exposition.samples, block_size);
     let reading = EngineReading::from_samples(&exposition.samples);
     for (field, count) in &reading.rejected {
         metrics
@@ -421,6 +428,7 @@ pub(crate) async fn run_scraper(
     url: MetricsUrl,
     interval: Duration,
     replica_id: String,
+    block_size: u32,
     tx: watch::Sender<Option<Scraped>>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
@@ -441,7 +449,7 @@ pub(crate) async fn run_scraper(
             return;
         }
         let scraped = tokio::select! {
-            scraped = scrape_once(&url, timeout, &mut estimator, &metrics) => scraped,
+            scraped = scrape_once(&url, timeout, block_size, &mut estimator, &metrics) => scraped,
             _ = shutdown.changed() => return,
         };
         match scraped {

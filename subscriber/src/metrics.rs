@@ -2,14 +2,16 @@
 //!
 //! Every counter is created once at start-up and held as a handle, so the
 //! hot path is one relaxed atomic add per increment (no label lookups).
-//! Names carry the `inferencecache_subscriber_` prefix.
+//! Names carry the `inferencecache_subscriber_` prefix. The listener also
+//! serves `/healthz` (always 200) and `/readyz`: 503 with the text of every
+//! configuration mismatch ([`crate::selfcheck`]), 200 otherwise.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use prometheus_client::encoding::text::encode;
@@ -17,6 +19,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Metric, Registry};
+
+use crate::selfcheck::ConfigCheck;
 
 type Labeled = Family<[(&'static str, &'static str); 1], Counter>;
 
@@ -64,6 +68,7 @@ pub struct Metrics {
     pub(crate) engine_scrapes_failed: Counter,
     pub(crate) engine_lines_malformed: Counter,
     pub(crate) engine_values_rejected: Labeled,
+    pub(crate) config_check: ConfigCheck,
 }
 
 impl Default for Metrics {
@@ -225,6 +230,11 @@ impl Metrics {
                 "engine_values_rejected",
                 "Engine metric values rejected (NaN, infinite, negative, fraction above 1), by field",
             ),
+            config_check: ConfigCheck::new(register(
+                r,
+                "config_mismatch",
+                "1 while the engine's cache configuration disagrees with the subscriber's, by field",
+            )),
             registry,
         }
     }
@@ -266,6 +276,7 @@ pub(crate) async fn serve(
     let app = Router::new()
         .route("/metrics", get(render))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
         .with_state(metrics);
     let task = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app)
@@ -278,6 +289,23 @@ pub(crate) async fn serve(
     Ok((local, task))
 }
 
+/// `/readyz`: 503 listing every configuration mismatch, else 200.
+async fn readyz(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    readiness(&metrics)
+}
+
+fn readiness(metrics: &Metrics) -> (StatusCode, String) {
+    let mismatches = metrics.config_check.mismatches();
+    if mismatches.is_empty() {
+        return (StatusCode::OK, "ok\n".to_owned());
+    }
+    let mut text = String::from("configuration mismatch:\n");
+    for (field, detail) in mismatches {
+        text.push_str(&format!("{field}: {detail}\n"));
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, text)
+}
+
 async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
     (
         [(
@@ -286,4 +314,24 @@ async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
         )],
         metrics.render(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_reports_configuration_mismatches() {
+        let metrics = Metrics::new();
+        assert_eq!(readiness(&metrics), (StatusCode::OK, "ok\n".to_owned()));
+        metrics.config_check.event_block_size(32, 16);
+        let (status, text) = readiness(&metrics);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            text.contains("event_block_size: BlockStored events carry block_size 32"),
+            "{text}"
+        );
+        metrics.config_check.event_block_size(16, 16);
+        assert_eq!(readiness(&metrics).0, StatusCode::OK);
+    }
 }

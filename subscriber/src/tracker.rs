@@ -190,6 +190,9 @@ impl BlockTracker {
 
     fn stored(&mut self, stored: BlockStored, metrics: &Metrics, out: &mut Vec<Action>) {
         let blocks = stored.block_hashes.len() as u64;
+        metrics
+            .config_check
+            .event_block_size(stored.block_size, self.options.block_size);
         let Some(adapter) = self.adapter_for(&stored) else {
             metrics.dropped_unmapped_lora.inc_by(blocks);
             return;

@@ -208,6 +208,14 @@ fn clear_resets_and_mismatches_are_counted() {
     wrong_size.block_size = 8;
     assert!(apply(&mut t, &metrics, KvEvent::Stored(wrong_size)).is_empty());
     assert_eq!(metrics.dropped_block_size.get(), 1);
+    let mismatches = metrics.config_check.mismatches();
+    assert_eq!(mismatches.len(), 1);
+    assert_eq!(mismatches[0].0, "event_block_size");
+    assert!(
+        mismatches[0].1.contains("block_size 8"),
+        "{}",
+        mismatches[0].1
+    );
 
     // Two hashes but tokens for one block and a half: one block reported.
     let out = apply(
