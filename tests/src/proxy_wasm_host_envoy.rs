@@ -55,6 +55,11 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(StdListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Request header asking a [`Backend`] to report this many cached prompt tokens.
+pub const FAKE_CACHED_TOKENS: &str = "x-fake-cached-tokens";
+/// Request header asking a [`Backend`] for an event stream (`1`, `no-usage`).
+pub const FAKE_STREAM: &str = "x-fake-stream";
+
 /// Path of the health checks `envoy/envoy.yaml` sends to the pool.
 pub const HEALTH_PATH: &str = "/health";
 
@@ -62,6 +67,13 @@ pub const HEALTH_PATH: &str = "/health";
 /// in [`SERVED_BY`], and a JSON body with the name, path, body length and the
 /// framing headers it received (`content_length`, `transfer_encoding`).
 /// Counts the requests it serves, health checks apart.
+///
+/// A request carrying [`FAKE_CACHED_TOKENS`] is answered like an engine
+/// instead: OpenAI-style `usage` with that many
+/// `prompt_tokens_details.cached_tokens` (`-` for a usage without details),
+/// as `application/json`, or as a `text/event-stream` whose final chunk
+/// carries the usage when [`FAKE_STREAM`] is `1` (no usage chunk at all when
+/// it is `no-usage`).
 pub struct Backend {
     /// Replica id it reports.
     pub name: String,
@@ -144,6 +156,12 @@ async fn answer(name: &str, request: Request<Incoming>) -> Response<Full<Bytes>>
     };
     let content_length = header("content-length");
     let transfer_encoding = header("transfer-encoding");
+    let cached = request
+        .headers()
+        .get(FAKE_CACHED_TOKENS)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let stream = header(FAKE_STREAM);
     let length = match request.into_body().collect().await {
         Ok(body) => body.to_bytes().len(),
         Err(_) => 0,
@@ -157,10 +175,47 @@ async fn answer(name: &str, request: Request<Incoming>) -> Response<Full<Bytes>>
         "transfer_encoding": transfer_encoding,
     })
     .to_string();
-    let mut response = Response::new(Full::new(Bytes::from(body)));
+    let mut response = match cached {
+        Some(cached) => engine_answer(&cached, &stream),
+        None => Response::new(Full::new(Bytes::from(body))),
+    };
     if let Ok(value) = name.parse() {
         response.headers_mut().insert(SERVED_BY, value);
     }
+    response
+}
+
+/// An engine-like completion carrying `cached` cached prompt tokens.
+fn engine_answer(cached: &str, stream: &str) -> Response<Full<Bytes>> {
+    let details = match cached.parse::<u64>() {
+        Ok(count) => serde_json::json!({ "cached_tokens": count }),
+        Err(_) => serde_json::Value::Null,
+    };
+    let usage = serde_json::json!({
+        "prompt_tokens": 168,
+        "completion_tokens": 1,
+        "total_tokens": 169,
+        "prompt_tokens_details": details,
+    });
+    let choice = serde_json::json!([{ "index": 0, "text": "x", "finish_reason": "length" }]);
+    let (content_type, body) = if stream.is_empty() {
+        let body = serde_json::json!({ "id": "cmpl-e2e", "object": "text_completion", "choices": choice, "usage": usage });
+        ("application/json", body.to_string())
+    } else {
+        let chunk = serde_json::json!({ "id": "cmpl-e2e", "choices": choice, "usage": null });
+        let mut body = format!("data: {chunk}\n\n");
+        if stream != "no-usage" {
+            let last = serde_json::json!({ "id": "cmpl-e2e", "choices": [], "usage": usage });
+            body.push_str(&format!("data: {last}\n\n"));
+        }
+        body.push_str("data: [DONE]\n\n");
+        ("text/event-stream", body)
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(content_type),
+    );
     response
 }
 

@@ -28,8 +28,8 @@ use inference_cache_proto::v1alpha1::{
 };
 use inference_cache_tests::{Holder, TestServer, contract_ranker_config, hold_tokens};
 use proxy_wasm_host_envoy::{
-    Backend, Envoy, EnvoySetup, HttpClient, HttpResponse, REPLICAS, ServerTls, free_port,
-    split_body, tokens_body,
+    Backend, Envoy, EnvoySetup, FAKE_CACHED_TOKENS, FAKE_STREAM, HttpClient, HttpResponse,
+    REPLICAS, ServerTls, free_port, split_body, tokens_body,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -137,6 +137,70 @@ async fn token_prompt_routes_to_the_replica_holding_its_prefix() -> anyhow::Resu
             .post("/v1/completions", &[], tokens_body(MODEL, &prompt))
             .await?;
         response.assert_routed("PREFIX_MATCH", "replica-b", || context(&stack));
+    }
+    Ok(())
+}
+
+/// The engine's reported `cached_tokens` is compared with the hint's
+/// `matched_tokens`, for JSON and streamed responses, and counted in Envoy's stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_and_actual_cache_reuse_are_counted() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (server, _policy) = contract_server().await?;
+    let stack = stack(server.grpc_addr(), 200).await?;
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-b", &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..940);
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    // (cached_tokens reported, stream mode): hit, miss, streamed hit,
+    // usage without details, stream without a usage chunk.
+    let cases = [
+        ("128", ""),
+        ("0", ""),
+        ("64", "1"),
+        ("-", ""),
+        ("128", "no-usage"),
+    ];
+    for (cached, stream) in cases {
+        let mut headers = vec![(FAKE_CACHED_TOKENS, cached)];
+        if !stream.is_empty() {
+            headers.push((FAKE_STREAM, stream));
+        }
+        let response = client
+            .post("/v1/completions", &headers, tokens_body(MODEL, &prompt))
+            .await?;
+        response.assert_routed("PREFIX_MATCH", "replica-b", || context(&stack));
+        ensure!(
+            response.body_text().contains("cached_tokens") || cached == "-" || stream == "no-usage",
+            "the engine's answer reached the client untouched: {}",
+            response.body_text()
+        );
+    }
+    let prefix = "wasmcustom.inferencecache_filter.accuracy.PREFIX_MATCH";
+    let expected = [
+        ("hinted_hit", 2),
+        ("hinted_miss", 1),
+        ("no_usage", 2),
+        ("not_hinted_hit", 0),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut seen = Vec::new();
+        for (kind, _) in expected {
+            seen.push(stack.envoy.stat(&format!("{prefix}.{kind}")).await?);
+        }
+        let want: Vec<u64> = expected.iter().map(|(_, count)| *count).collect();
+        if seen == want {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "accuracy counters {seen:?}, expected {want:?}\n{}",
+            context(&stack)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(())
 }
