@@ -331,7 +331,12 @@ mod tests {
             text.contains("event_block_size: BlockStored events carry block_size 32"),
             "{text}"
         );
-        metrics.config_check.event_block_size(16, 16);
-        assert_eq!(readiness(&metrics).0, StatusCode::OK);
+        let page = crate::exposition::parse_exposition(
+            "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\"} 1.0\n",
+        );
+        metrics.config_check.check_page(&page.samples, 16);
+        let (status, text) = readiness(&metrics);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(text.contains("enable_prefix_caching: "), "{text}");
     }
 }

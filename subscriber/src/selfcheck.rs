@@ -15,9 +15,11 @@
 //!
 //! A mismatch sets `inferencecache_subscriber_config_mismatch{field}` to 1
 //! (`field` is `block_size`, `enable_prefix_caching` or `event_block_size`),
-//! is logged at WARN when it appears or changes and then at most once every
-//! ten minutes while it lasts, and makes `/readyz` answer 503 with the
-//! mismatch text. A later scrape or event that agrees clears it. Pages
+//! is logged at WARN when it first appears or its text changes, then at most
+//! once every ten minutes per field, and makes `/readyz` answer 503 with the
+//! mismatch text. A later scrape that agrees clears a page mismatch; an
+//! agreeing event clears the event mismatch once no mismatched event has come
+//! for a minute. Pages
 //! without `vllm:cache_config_info` (SGLang) are not checked.
 
 use std::collections::BTreeMap;
@@ -32,8 +34,10 @@ use crate::exposition::Sample;
 
 /// Name of vLLM's cache configuration gauge.
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
-/// Minimum time between two warnings about the same lasting mismatch.
+/// Minimum time between two warnings with the same text for one field.
 const WARN_EVERY: Duration = Duration::from_secs(600);
+/// How long an `event_block_size` mismatch lasts after its last mismatched event.
+const EVENT_HOLD: Duration = Duration::from_secs(60);
 
 /// Every field the check reports on, each a `field` label value.
 pub const FIELDS: [&str; 3] = ["block_size", "enable_prefix_caching", "event_block_size"];
@@ -97,19 +101,31 @@ impl EngineCacheConfig {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Entry {
     text: String,
-    warned_at: Option<Instant>,
+    /// When the mismatch was last observed.
+    seen_at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    current: BTreeMap<&'static str, Entry>,
+    /// Per field, the last warning's text and time; kept across resolutions
+    /// so a mismatch that comes and goes does not flood the log.
+    warned: BTreeMap<&'static str, (String, Instant)>,
 }
 
 /// The current mismatches, shared by the scraper, the trackers and `/readyz`.
 #[derive(Debug)]
 pub struct ConfigCheck {
     gauge: Family<[(&'static str, &'static str); 1], Gauge>,
-    current: Mutex<BTreeMap<&'static str, Entry>>,
+    state: Mutex<State>,
     /// Cheap hot-path flag: an `event_block_size` mismatch is set.
     event_mismatch: AtomicBool,
+    /// How long an `event_block_size` mismatch outlives its last mismatched
+    /// event (engines behind one subscriber that disagree must not flap).
+    event_hold: Duration,
     /// The engine configuration last seen, logged when it changes.
     last_config: Mutex<Option<EngineCacheConfig>>,
 }
@@ -117,13 +133,21 @@ pub struct ConfigCheck {
 impl ConfigCheck {
     /// A check reporting through `gauge` (every field starts at 0).
     pub fn new(gauge: Family<[(&'static str, &'static str); 1], Gauge>) -> Self {
+        Self::with_event_hold(gauge, EVENT_HOLD)
+    }
+
+    fn with_event_hold(
+        gauge: Family<[(&'static str, &'static str); 1], Gauge>,
+        event_hold: Duration,
+    ) -> Self {
         for field in FIELDS {
             gauge.get_or_create(&[("field", field)]).set(0);
         }
         Self {
             gauge,
-            current: Mutex::new(BTreeMap::new()),
+            state: Mutex::new(State::default()),
             event_mismatch: AtomicBool::new(false),
+            event_hold,
             last_config: Mutex::new(None),
         }
     }
@@ -153,18 +177,28 @@ impl ConfigCheck {
     }
 
     /// A `BlockStored` event reported `seen` tokens per block; the
-    /// subscriber expects `expected`. Cheap when they agree.
+    /// subscriber expects `expected`. One atomic load when they agree and
+    /// no mismatch is set; an agreeing event clears the mismatch once no
+    /// mismatched event has come for a minute.
     pub fn event_block_size(&self, seen: u32, expected: u32) {
+        const FIELD: &str = "event_block_size";
         if seen == expected {
             if self.event_mismatch.load(Ordering::Relaxed) {
-                self.event_mismatch.store(false, Ordering::Relaxed);
-                self.clear("event_block_size");
+                let quiet = self
+                    .lock()
+                    .current
+                    .get(FIELD)
+                    .is_none_or(|entry| entry.seen_at.elapsed() >= self.event_hold);
+                if quiet {
+                    self.event_mismatch.store(false, Ordering::Relaxed);
+                    self.clear(FIELD);
+                }
             }
             return;
         }
         self.event_mismatch.store(true, Ordering::Relaxed);
         self.set(
-            "event_block_size",
+            FIELD,
             &format!(
                 "BlockStored events carry block_size {seen} but the subscriber's --block-size is {expected}; their blocks are dropped"
             ),
@@ -174,34 +208,52 @@ impl ConfigCheck {
     /// The current mismatch texts, one per field; empty when all agree.
     pub fn mismatches(&self) -> Vec<(&'static str, String)> {
         self.lock()
+            .current
             .iter()
             .map(|(field, entry)| (*field, entry.text.clone()))
             .collect()
     }
 
     fn set(&self, field: &'static str, text: &str) {
-        let mut current = self.lock();
-        let entry = current.entry(field).or_default();
-        let changed = entry.text != text;
-        if changed || entry.warned_at.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+        let mut state = self.lock();
+        let now = Instant::now();
+        let warn = state
+            .warned
+            .get(field)
+            .is_none_or(|(last, at)| last != text || at.elapsed() >= WARN_EVERY);
+        if warn {
             tracing::warn!(field, "configuration mismatch: {text}");
-            entry.warned_at = Some(Instant::now());
+            state.warned.insert(field, (text.to_owned(), now));
         }
-        if changed {
-            entry.text = text.to_owned();
+        match state.current.get_mut(field) {
+            Some(entry) => {
+                entry.seen_at = now;
+                if entry.text != text {
+                    entry.text = text.to_owned();
+                }
+            }
+            None => {
+                state.current.insert(
+                    field,
+                    Entry {
+                        text: text.to_owned(),
+                        seen_at: now,
+                    },
+                );
+            }
         }
         self.gauge.get_or_create(&[("field", field)]).set(1);
     }
 
     fn clear(&self, field: &'static str) {
-        if self.lock().remove(field).is_some() {
+        if self.lock().current.remove(field).is_some() {
             tracing::info!(field, "configuration mismatch resolved");
         }
         self.gauge.get_or_create(&[("field", field)]).set(0);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, Entry>> {
-        self.current
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -289,16 +341,21 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
     fn event_block_sizes_are_checked() {
         let metrics = Metrics::new();
         let check = &metrics.config_check;
+        check.event_block_size(32, 16);
+        check.event_block_size(16, 16);
+        assert_eq!(check.mismatches().len(), 1, "held after an agreeing event");
+
+        let gauge = Family::<[(&'static str, &'static str); 1], Gauge>::default();
+        let check = ConfigCheck::with_event_hold(gauge.clone(), Duration::ZERO);
+        let value = || gauge.get_or_create(&[("field", "event_block_size")]).get();
         check.event_block_size(16, 16);
         assert!(check.mismatches().is_empty());
         check.event_block_size(32, 16);
         check.event_block_size(32, 16);
         assert_eq!(check.mismatches().len(), 1);
-        assert_eq!(
-            metrics.sample("inferencecache_subscriber_config_mismatch{field=\"event_block_size\"}"),
-            Some(1.0)
-        );
+        assert_eq!(value(), 1);
         check.event_block_size(16, 16);
         assert!(check.mismatches().is_empty());
+        assert_eq!(value(), 0);
     }
 }
