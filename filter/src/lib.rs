@@ -19,10 +19,11 @@
 //!   on a response ([`decide`], [`Outcome`]) and the per-request state
 //!   machine [`RequestFlow`], which talks to Envoy only through the [`Host`]
 //!   trait;
-//! - the response side ([`crate::accuracy`]): for a request it looked up, the
-//!   filter reads the engine's `usage.prompt_tokens_details.cached_tokens`
-//!   as the response passes (never holding it) and counts how the actual
-//!   reuse compares with the `matched_tokens` the hint promised;
+//! - the response side ([`json_usage`], [`EventStreamReader`], [`Verdict`]):
+//!   for a request it looked up, the filter reads the engine's
+//!   `usage.prompt_tokens_details.cached_tokens` as the response passes
+//!   (never holding it) and counts how the actual reuse compares with the
+//!   `matched_tokens` the hint promised (metric names in `envoy/README.md`);
 //! - a thin proxy-wasm adapter (only on `wasm32`) mapping SDK callbacks onto
 //!   [`RequestFlow`] and implementing [`Host`] with proxy-wasm host calls.
 //!

@@ -42,6 +42,13 @@
 //! running + 1))`, are documented in [`load`]; [`exposition`] is the
 //! text-format reader.
 //!
+//! Configuration self-check ([`selfcheck`]): every scrape compares vLLM's
+//! `vllm:cache_config_info` (`block_size`, `enable_prefix_caching`) with
+//! `--block-size`, and every `BlockStored` event's `block_size` is compared
+//! too; a mismatch is a rate-limited WARN, the gauge
+//! `inferencecache_subscriber_config_mismatch{field}` = 1 and a 503 from
+//! `/readyz` on the `--metrics-listen` address, naming the mismatch.
+//!
 //! Security: `--server https://...` uses TLS (rustls, `ring`), verified
 //! against `--tls-ca` or the system roots; `--tls-cert` / `--tls-key` add a
 //! client certificate (mutual TLS); `--token-file` sends `authorization:
