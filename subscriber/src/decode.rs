@@ -8,6 +8,22 @@
 //! with a `"type"` key and named fields (vLLM ≥ 0.24). Trailing array items
 //! and unknown map keys are skipped, so newer engine versions still decode.
 //!
+//! Cache salts ([`BlockStored::cache_salt`]):
+//! - vLLM (from 0.18) sends `extra_keys` (array item 8, or the map key): one
+//!   entry per block, `None` or a list assembled as `LoRA name + multimodal
+//!   (identifier, offset) pairs + cache salt + prompt-embeds digests`. The
+//!   salt is only ever on a request's first block (no parent), so only the
+//!   first entry of an event without a parent is read. Its string items are
+//!   the LoRA name (first, and only when the event names a LoRA by
+//!   `lora_name` or `lora_id`) and the salt; pairs are arrays and digests are
+//!   bytes. Rule: drop a leading string when the event names a LoRA, the
+//!   next string is the salt. A string in the entry of a block with a parent
+//!   is never taken for a salt.
+//! - SGLang ≥ 0.5.20 maps carry `cache_salt`. SGLang 0.5.18–0.5.19 append a
+//!   `{"cache_salt": …}` map after a tagged array's fields (where `medium` or
+//!   `lora_name` would be): any map found at an optional array position is
+//!   read as such an extension map, never as a field value.
+//!
 //! A payload that is not a batch at all is a [`DecodeError`]; a single
 //! event that cannot be read (or has an unknown type) is skipped and counted
 //! in [`EventBatch::skipped_events`], the rest of the batch still applies.
@@ -129,6 +145,72 @@ struct Fields {
     lora_id: Option<i64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    /// SGLang's `cache_salt` (map key or extension map).
+    cache_salt: Option<String>,
+    /// String items of the first `extra_keys` entry, with their positions.
+    first_extra_strings: Vec<(usize, String)>,
+}
+
+impl Fields {
+    /// The event's salt: SGLang's explicit one, else vLLM's from `extra_keys`.
+    fn salt(&mut self) -> Option<String> {
+        if let Some(salt) = self.cache_salt.take().filter(|s| !s.is_empty()) {
+            return Some(salt);
+        }
+        if self.parent_block_hash.is_some() {
+            return None;
+        }
+        let names_lora =
+            self.lora_name.as_deref().is_some_and(|n| !n.is_empty()) || self.lora_id.is_some();
+        let mut strings = std::mem::take(&mut self.first_extra_strings).into_iter();
+        let mut next = strings.next();
+        if names_lora && matches!(next, Some((0, _))) {
+            next = strings.next();
+        }
+        next.map(|(_, salt)| salt).filter(|s| !s.is_empty())
+    }
+}
+
+fn is_map(marker: u8) -> bool {
+    matches!(marker, 0x80..=0x8f | 0xde | 0xdf)
+}
+
+/// Reads an extension map appended to an array event (SGLang 0.5.18–0.5.19).
+fn read_extension_map(reader: &mut Reader<'_>, fields: &mut Fields) -> Result<(), DecodeError> {
+    let len = reader.map_len()?;
+    for _ in 0..len {
+        match reader.str()? {
+            Some("cache_salt") => fields.cache_salt = reader.optional_string()?,
+            _ => reader.skip(0)?,
+        }
+    }
+    Ok(())
+}
+
+/// Reads vLLM's `extra_keys`, keeping the string items of the first entry.
+fn read_extra_keys(reader: &mut Reader<'_>, fields: &mut Fields) -> Result<(), DecodeError> {
+    if !matches!(reader.peek()?, 0x90..=0x9f | 0xdc | 0xdd) {
+        // `None` (no block has extra keys) or an unknown shape.
+        return reader.skip(0);
+    }
+    let entries = reader.array_len()?;
+    for entry in 0..entries {
+        if entry > 0 || !matches!(reader.peek()?, 0x90..=0x9f | 0xdc | 0xdd) {
+            reader.skip(0)?;
+            continue;
+        }
+        let items = reader.array_len()?;
+        for item in 0..items {
+            if matches!(reader.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
+                if let Some(text) = reader.str()? {
+                    fields.first_extra_strings.push((item, text.to_owned()));
+                }
+            } else {
+                reader.skip(0)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One event; `Ok(None)` for an unknown type, `Err` when unreadable (the
@@ -147,6 +229,10 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
             // Positions depend on the type; other types' fields are skipped.
             let (stored, removed) = (tag == "BlockStored", tag == "BlockRemoved");
             for index in 1..len {
+                if ((stored && index >= 5) || (removed && index >= 2)) && is_map(reader.peek()?) {
+                    read_extension_map(reader, &mut fields)?;
+                    continue;
+                }
                 match (stored, removed, index) {
                     (true, _, 1) | (_, true, 1) => fields.block_hashes = Some(reader.hashes()?),
                     (true, _, 2) => fields.parent_block_hash = reader.optional_hash()?,
@@ -155,6 +241,7 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
                     (true, _, 5) => fields.lora_id = reader.optional_int()?,
                     (true, _, 6) | (_, true, 2) => fields.medium = reader.optional_string()?,
                     (true, _, 7) => fields.lora_name = reader.optional_string()?,
+                    (true, _, 8) => read_extra_keys(reader, &mut fields)?,
                     _ => reader.skip(0)?,
                 }
             }
@@ -174,6 +261,8 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
                     Some("lora_id") => fields.lora_id = reader.optional_int()?,
                     Some("medium") => fields.medium = reader.optional_string()?,
                     Some("lora_name") => fields.lora_name = reader.optional_string()?,
+                    Some("cache_salt") => fields.cache_salt = reader.optional_string()?,
+                    Some("extra_keys") => read_extra_keys(reader, &mut fields)?,
                     _ => reader.skip(0)?,
                 }
             }
@@ -181,6 +270,7 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
         }
         _ => return Err(BAD),
     }
+    let cache_salt = fields.salt();
     Ok(match tag {
         "BlockStored" => Some(KvEvent::Stored(BlockStored {
             block_hashes: fields.block_hashes.ok_or(BAD)?,
@@ -190,6 +280,7 @@ fn read_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>, DecodeError> {
             lora_id: fields.lora_id,
             medium: fields.medium,
             lora_name: fields.lora_name,
+            cache_salt,
         })),
         "BlockRemoved" => Some(KvEvent::Removed(BlockRemoved {
             block_hashes: fields.block_hashes.ok_or(BAD)?,

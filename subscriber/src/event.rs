@@ -32,6 +32,11 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// Adapter name, in engines that report it.
     pub lora_name: Option<String>,
+    /// Cache salt the blocks were stored under, when the event names one
+    /// (vLLM: in the first block's `extra_keys`; SGLang: `cache_salt`).
+    /// `None` means the event names no salt: blocks that extend a parent
+    /// inherit the parent's salt, a chain start is unsalted.
+    pub cache_salt: Option<String>,
 }
 
 /// Blocks the engine dropped from one medium.

@@ -31,6 +31,7 @@ fn array_layout_with_int_hashes() {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
+            cache_salt: None,
         })]
     );
 }
@@ -71,6 +72,7 @@ fn bytes_hashes_trailing_fields_and_unknown_events() {
             lora_id: None,
             medium: None,
             lora_name: Some("x".into()),
+            cache_salt: None,
         })
     );
     assert_eq!(
@@ -99,6 +101,7 @@ fn map_layout_with_unknown_keys() {
                 lora_id: Some(1),
                 medium: Some("GPU".into()),
                 lora_name: Some("chat-lora".into()),
+                cache_salt: None,
             }),
             KvEvent::Removed(BlockRemoved {
                 block_hashes: vec![EngineHash::Int(1001)],
@@ -252,4 +255,242 @@ fn truncations_and_corruptions_never_panic() {
     deep.push(0xc0);
     let decoded = decode_batch(&deep);
     assert!(decoded.is_err(), "{decoded:?}");
+}
+
+/// A vLLM ≤ 0.23 tagged-array `BlockStored` with `extra_keys` (item 8).
+fn vllm_array_stored(parent: Option<u64>, lora: Option<&str>, extra_keys: rmpv::Value) -> Vec<u8> {
+    use rmpv::Value;
+    let event = Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(vec![Value::from(1u64), Value::from(2u64)]),
+        parent.map_or(Value::Nil, Value::from),
+        Value::Array((0..8u32).map(Value::from).collect()),
+        Value::from(4u32),
+        lora.map_or(Value::Nil, |_| Value::from(3)),
+        Value::from("GPU"),
+        lora.map_or(Value::Nil, Value::from),
+        extra_keys,
+    ]);
+    encode(&Value::Array(vec![
+        Value::from(1.0f64),
+        Value::Array(vec![event]),
+    ]))
+}
+
+fn only_stored(payload: &[u8]) -> BlockStored {
+    let batch = decode_batch(payload).expect("decodes");
+    assert_eq!(batch.skipped_events, 0, "{batch:?}");
+    match batch.events.as_slice() {
+        [KvEvent::Stored(stored)] => stored.clone(),
+        other => panic!("expected one BlockStored, got {other:?}"),
+    }
+}
+
+#[test]
+fn vllm_extra_keys_salt_on_the_first_block() {
+    use rmpv::Value;
+    // Salted request without LoRA: ("tenant-a",) on block 0, None after.
+    let extra = Value::Array(vec![
+        Value::Array(vec![Value::from("tenant-a")]),
+        Value::Nil,
+    ]);
+    let stored = only_stored(&vllm_array_stored(None, None, extra));
+    assert_eq!(stored.cache_salt.as_deref(), Some("tenant-a"));
+    assert_eq!(stored.lora_name, None);
+
+    // LoRA + multimodal pair + salt + prompt-embeds digest on block 0; the
+    // LoRA name on every later block. The leading string is the LoRA name.
+    let extra = Value::Array(vec![
+        Value::Array(vec![
+            Value::from("sql-lora"),
+            Value::Array(vec![Value::from("img-hash"), Value::from(2)]),
+            Value::from("tenant-b"),
+            Value::Binary(vec![7; 32]),
+        ]),
+        Value::Array(vec![Value::from("sql-lora")]),
+    ]);
+    let stored = only_stored(&vllm_array_stored(None, Some("sql-lora"), extra));
+    assert_eq!(stored.cache_salt.as_deref(), Some("tenant-b"));
+    assert_eq!(stored.lora_name.as_deref(), Some("sql-lora"));
+
+    // A salt equal to the LoRA name is still the salt (it follows the name).
+    let extra = Value::Array(vec![Value::Array(vec![Value::from("x"), Value::from("x")])]);
+    let stored = only_stored(&vllm_array_stored(None, Some("x"), extra));
+    assert_eq!(stored.cache_salt.as_deref(), Some("x"));
+}
+
+#[test]
+fn vllm_extra_keys_without_a_salt() {
+    use rmpv::Value;
+    // LoRA only: the name on every block is not a salt.
+    let extra = Value::Array(vec![
+        Value::Array(vec![Value::from("sql-lora")]),
+        Value::Array(vec![Value::from("sql-lora")]),
+    ]);
+    let stored = only_stored(&vllm_array_stored(None, Some("sql-lora"), extra));
+    assert_eq!(stored.cache_salt, None);
+    // Multimodal pairs and digests only.
+    let extra = Value::Array(vec![
+        Value::Array(vec![
+            Value::Array(vec![Value::from("img"), Value::from(0)]),
+            Value::Binary(vec![1; 32]),
+        ]),
+        Value::Nil,
+    ]);
+    assert_eq!(
+        only_stored(&vllm_array_stored(None, None, extra)).cache_salt,
+        None
+    );
+    // `extra_keys: None` and all-None entries.
+    assert_eq!(
+        only_stored(&vllm_array_stored(None, None, Value::Nil)).cache_salt,
+        None
+    );
+    let extra = Value::Array(vec![Value::Nil, Value::Nil]);
+    assert_eq!(
+        only_stored(&vllm_array_stored(None, None, extra)).cache_salt,
+        None
+    );
+    // A block with a parent never starts a request: no salt is read.
+    let extra = Value::Array(vec![Value::Array(vec![Value::from("s")]), Value::Nil]);
+    assert_eq!(
+        only_stored(&vllm_array_stored(Some(9), None, extra)).cache_salt,
+        None
+    );
+}
+
+#[test]
+fn vllm_map_layout_extra_keys() {
+    use rmpv::Value;
+    let event = Value::Map(vec![
+        (Value::from("type"), Value::from("BlockStored")),
+        (
+            Value::from("extra_keys"),
+            Value::Array(vec![
+                Value::Array(vec![Value::from("chat-lora"), Value::from("salt-1")]),
+                Value::Array(vec![Value::from("chat-lora")]),
+            ]),
+        ),
+        (
+            Value::from("block_hashes"),
+            Value::Array(vec![Value::from(1), Value::from(2)]),
+        ),
+        (Value::from("parent_block_hash"), Value::Nil),
+        (
+            Value::from("token_ids"),
+            Value::Array((0..8u32).map(Value::from).collect()),
+        ),
+        (Value::from("block_size"), Value::from(4)),
+        (Value::from("lora_id"), Value::Nil),
+        (Value::from("medium"), Value::from("GPU")),
+        // lora_name after extra_keys: the rule is applied once all fields are read.
+        (Value::from("lora_name"), Value::from("chat-lora")),
+        (Value::from("group_idx"), Value::from(0)),
+    ]);
+    let payload = encode(&Value::Array(vec![
+        Value::from(1.0),
+        Value::Array(vec![event]),
+    ]));
+    let stored = only_stored(&payload);
+    assert_eq!(stored.cache_salt.as_deref(), Some("salt-1"));
+    assert_eq!(stored.lora_name.as_deref(), Some("chat-lora"));
+}
+
+#[test]
+fn sglang_map_layout_cache_salt() {
+    use rmpv::Value;
+    // SGLang 0.5.20+: a map with `cache_salt`, `session_id`, `lora_name`.
+    let event = |salt: Value| {
+        Value::Map(vec![
+            (Value::from("type"), Value::from("BlockStored")),
+            (
+                Value::from("block_hashes"),
+                Value::Array(vec![Value::from(-3i64)]),
+            ),
+            (Value::from("parent_block_hash"), Value::from(-4i64)),
+            (Value::from("token_ids"), Value::Array(vec![Value::from(5)])),
+            (Value::from("block_size"), Value::from(1)),
+            (Value::from("lora_id"), Value::Nil),
+            (Value::from("medium"), Value::from("GPU")),
+            (Value::from("cache_salt"), salt),
+            (Value::from("session_id"), Value::Nil),
+            (Value::from("lora_name"), Value::Nil),
+        ])
+    };
+    let payload = |salt| {
+        encode(&Value::Array(vec![
+            Value::from(1.0),
+            Value::Array(vec![event(salt)]),
+            Value::from(0),
+        ]))
+    };
+    let stored = only_stored(&payload(Value::from("tenant-a")));
+    // An explicit salt holds even when the blocks extend a parent.
+    assert_eq!(stored.cache_salt.as_deref(), Some("tenant-a"));
+    assert_eq!(stored.lora_name, None);
+    assert_eq!(only_stored(&payload(Value::Nil)).cache_salt, None);
+    assert_eq!(only_stored(&payload(Value::from(""))).cache_salt, None);
+}
+
+#[test]
+fn sglang_array_layout_with_salt_map_is_not_a_lora_name() {
+    use rmpv::Value;
+    let salt_map = Value::Map(vec![(Value::from("cache_salt"), Value::from("tenant-a"))]);
+    // 0.5.19: [tag, hashes, parent, tokens, block_size, lora_id, medium, {cache_salt}].
+    let v519 = Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(vec![Value::from(-3i64), Value::from(11)]),
+        Value::Nil,
+        Value::Array(vec![Value::from(5), Value::from(6)]),
+        Value::from(1),
+        Value::Nil,
+        Value::from("GPU"),
+        salt_map.clone(),
+    ]);
+    // 0.5.18: no medium, the map follows lora_id.
+    let v518 = Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(vec![Value::from(12)]),
+        Value::from(11),
+        Value::Array(vec![Value::from(7)]),
+        Value::from(1),
+        Value::Nil,
+        salt_map,
+    ]);
+    // An unsalted 0.5.19 event next to them.
+    let plain = Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(vec![Value::from(13)]),
+        Value::Nil,
+        Value::Array(vec![Value::from(8)]),
+        Value::from(1),
+        Value::Nil,
+        Value::from("GPU"),
+    ]);
+    let payload = encode(&Value::Array(vec![
+        Value::from(1.0),
+        Value::Array(vec![v519, v518, plain]),
+        Value::from(0),
+    ]));
+    let batch = decode_batch(&payload).expect("decodes");
+    assert_eq!(
+        batch.skipped_events, 0,
+        "the salted events are no longer skipped"
+    );
+    let stored: Vec<&BlockStored> = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::Stored(s) => s,
+            other => panic!("expected BlockStored, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(stored.len(), 3);
+    assert_eq!(stored[0].cache_salt.as_deref(), Some("tenant-a"));
+    assert_eq!(stored[0].lora_name, None, "the salt map is not a LoRA name");
+    assert_eq!(stored[0].medium.as_deref(), Some("GPU"));
+    assert_eq!(stored[0].block_hashes.len(), 2);
+    assert_eq!(stored[1].cache_salt.as_deref(), Some("tenant-a"));
+    assert_eq!(stored[1].medium, None);
+    assert_eq!(stored[2].cache_salt, None);
 }

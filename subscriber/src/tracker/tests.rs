@@ -28,6 +28,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> BlockStored {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        cache_salt: None,
     }
 }
 
