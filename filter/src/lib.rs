@@ -2,8 +2,9 @@
 //!
 //! For `POST /v1/completions` and `POST /v1/chat/completions` the filter
 //! buffers the JSON body, builds a `LookupRouteRequest` (a token-id prompt is
-//! fingerprinted here; a string prompt goes as `raw_prompt`, a conversation
-//! as `messages`), calls `LookupRoute` through Envoy with a short timeout, and
+//! fingerprinted here; a string prompt goes as `raw_prompt`, a chat request
+//! as `messages_json` with its tools and template options, verbatim; the
+//! body's `cache_salt` too), calls `LookupRoute` through Envoy with a short timeout, and
 //! on a routable hint sets the destination header (default
 //! `x-gateway-destination-endpoint`) that the pool cluster's `override_host`
 //! load-balancing policy reads: Envoy uses that endpoint only when it is a
@@ -72,6 +73,6 @@ pub use outcome::{
     all_histograms, all_metrics, decide, reason_metric,
 };
 pub use request::{
-    Api, BodyError, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, ParsedRequest, PromptInput, classify,
-    lookup_request, parse_body,
+    Api, BodyError, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, ChatRequest, ParsedRequest,
+    PromptInput, classify, lookup_request, parse_body,
 };
