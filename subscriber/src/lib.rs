@@ -16,6 +16,10 @@
 //!   `ALL_CLEARED`;
 //! - LoRA blocks are partitioned by adapter name (`lora_name`, or `lora_id`
 //!   through `--lora-adapter-names`); unmapped ids are dropped;
+//! - salted blocks (vLLM `extra_keys` from 0.18, on a request's first block
+//!   and inherited by its children; SGLang `cache_salt`) are reported, and
+//!   evicted, under `partition_key(adapter, salt)`, so only lookups with the
+//!   same salt match them;
 //! - sequence gaps are filled from the engine's replay socket; ZMQ and gRPC
 //!   connections are re-established with backoff; while the server is away a
 //!   bounded buffer holds pending work (oldest dropped, counted) and the whole

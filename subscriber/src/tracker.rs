@@ -9,6 +9,14 @@
 //! lives — device memory and/or an offload tier — which decides the tier a
 //! block is reported at and whether a removal evicts it or moves it to T2.
 //!
+//! Cache salts: a block's partition is
+//! `partition_key(adapter, salt)` (`inference_cache_fingerprint`), the same
+//! key the server builds for a lookup with that salt, so salted blocks match
+//! only salted lookups of the same salt. The salt is the event's own
+//! ([`BlockStored::cache_salt`]) or, when the event names none, the parent
+//! block's: vLLM puts it on a request's first block only. Removals and
+//! snapshots carry the partition the block was stored under.
+//!
 //! Invariants: a block is reported only when its whole prefix is known (an
 //! unknown parent drops the event: a fingerprint that does not start at
 //! token 0 would be a wrong key); blocks of an unmapped LoRA id are dropped.
@@ -22,7 +30,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hashbrown::HashMap;
-use inference_cache_fingerprint::prefix_hashes_from;
+use inference_cache_fingerprint::{partition_key, prefix_hashes_from};
 
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
 use crate::metrics::Metrics;
@@ -41,7 +49,8 @@ pub(crate) enum Tier {
 pub(crate) enum Action {
     /// Blocks (fingerprints) the replica now holds at `tier` for `adapter`.
     Store {
-        /// Adapter partition ("" is the base model).
+        /// Index partition: `partition_key(adapter, salt)` ("" is the
+        /// unsalted base model).
         adapter: Arc<str>,
         /// Tier of every block.
         tier: Tier,
@@ -50,7 +59,7 @@ pub(crate) enum Action {
     },
     /// Blocks the replica no longer holds anywhere.
     Evict {
-        /// Adapter partition ("" removes across partitions).
+        /// Index partition the blocks were stored under.
         adapter: Arc<str>,
         /// Fingerprints to remove.
         fingerprints: Vec<u64>,
@@ -74,7 +83,10 @@ impl Action {
 #[derive(Debug, Clone)]
 struct Slot {
     fingerprint: u64,
+    /// Partition key: the adapter name, salted when `salt` is set.
     adapter: Arc<str>,
+    /// Cache salt the block was stored under, inherited by its children.
+    salt: Option<Arc<str>>,
     on_device: bool,
     offloaded: bool,
     stamp: u64,
@@ -102,6 +114,23 @@ pub(crate) struct BlockTracker {
     next_stamp: u64,
     base: Arc<str>,
     adapter_names: HashMap<Box<str>, Arc<str>>,
+    salts: HashMap<Box<str>, Arc<str>>,
+    partitions: HashMap<Box<str>, Arc<str>>,
+}
+
+/// Most distinct adapter names, salts and partition keys kept interned.
+const INTERN_LIMIT: usize = 4096;
+
+/// Returns the shared copy of `name`, adding it while the table has room.
+fn intern(table: &mut HashMap<Box<str>, Arc<str>>, name: &str) -> Arc<str> {
+    if let Some(interned) = table.get(name) {
+        return interned.clone();
+    }
+    let interned: Arc<str> = Arc::from(name);
+    if table.len() < INTERN_LIMIT {
+        table.insert(name.into(), interned.clone());
+    }
+    interned
 }
 
 impl BlockTracker {
@@ -113,6 +142,8 @@ impl BlockTracker {
             next_stamp: 0,
             base: Arc::from(""),
             adapter_names: HashMap::new(),
+            salts: HashMap::new(),
+            partitions: HashMap::new(),
         }
     }
 
@@ -173,14 +204,7 @@ impl BlockTracker {
 
     fn adapter_for(&mut self, stored: &BlockStored) -> Option<Arc<str>> {
         if let Some(name) = stored.lora_name.as_deref().filter(|n| !n.is_empty()) {
-            if let Some(interned) = self.adapter_names.get(name) {
-                return Some(interned.clone());
-            }
-            let interned: Arc<str> = Arc::from(name);
-            if self.adapter_names.len() < 4096 {
-                self.adapter_names.insert(name.into(), interned.clone());
-            }
-            return Some(interned);
+            return Some(intern(&mut self.adapter_names, name));
         }
         match stored.lora_id {
             None => Some(self.base.clone()),
@@ -201,10 +225,10 @@ impl BlockTracker {
             metrics.dropped_block_size.inc_by(blocks);
             return;
         }
-        let parent = match &stored.parent_block_hash {
-            None => None,
+        let (parent, parent_salt) = match &stored.parent_block_hash {
+            None => (None, None),
             Some(hash) => match self.blocks.get(hash) {
-                Some(slot) => Some(slot.fingerprint),
+                Some(slot) => (Some(slot.fingerprint), slot.salt.clone()),
                 None => {
                     metrics.dropped_unknown_parent.inc_by(blocks);
                     return;
@@ -224,6 +248,14 @@ impl BlockTracker {
         }
         let fingerprints =
             prefix_hashes_from(parent, &stored.token_ids[..count * block_size], block_size);
+        let salt = match stored.cache_salt.as_deref().filter(|s| !s.is_empty()) {
+            Some(salt) => Some(intern(&mut self.salts, salt)),
+            None => parent_salt,
+        };
+        let adapter = match &salt {
+            None => adapter,
+            Some(salt) => intern(&mut self.partitions, &partition_key(&adapter, salt)),
+        };
         let medium = Medium::classify(stored.medium.as_deref());
         metrics.blocks_stored.inc_by(count as u64);
         for (hash, fingerprint) in stored
@@ -232,7 +264,7 @@ impl BlockTracker {
             .take(count)
             .zip(fingerprints)
         {
-            let held_on_device = self.upsert(hash, fingerprint, &adapter, medium);
+            let held_on_device = self.upsert(hash, fingerprint, &adapter, &salt, medium);
             let tier = match medium {
                 Medium::Device => Tier::T1,
                 // Already resident on the device: T1 stays the truth.
@@ -250,6 +282,7 @@ impl BlockTracker {
         hash: EngineHash,
         fingerprint: u64,
         adapter: &Arc<str>,
+        salt: &Option<Arc<str>>,
         medium: Medium,
     ) -> bool {
         let stamp = self.next_stamp;
@@ -258,6 +291,7 @@ impl BlockTracker {
         let slot = self.blocks.entry(hash).or_insert_with(|| Slot {
             fingerprint,
             adapter: adapter.clone(),
+            salt: salt.clone(),
             on_device: false,
             offloaded: false,
             stamp,
@@ -266,6 +300,9 @@ impl BlockTracker {
         slot.stamp = stamp;
         if *slot.adapter != **adapter {
             slot.adapter = adapter.clone();
+        }
+        if slot.salt != *salt {
+            slot.salt = salt.clone();
         }
         match medium {
             Medium::Device => slot.on_device = true,

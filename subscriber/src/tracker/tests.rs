@@ -291,3 +291,155 @@ fn snapshot_lists_held_blocks_by_adapter_and_tier() {
     assert_eq!(t1, want);
     assert_eq!(t2, vec![fps[2]]);
 }
+
+fn salted(hashes: &[u64], parent: Option<u64>, tokens: &[u32], salt: Option<&str>) -> KvEvent {
+    KvEvent::Stored(BlockStored {
+        cache_salt: salt.map(Into::into),
+        ..stored(hashes, parent, tokens)
+    })
+}
+
+#[test]
+fn salted_blocks_live_in_the_salt_partition_and_children_inherit_it() {
+    use inference_cache_fingerprint::partition_key;
+    let metrics = Metrics::new();
+    let mut t = tracker(false);
+    let tokens: Vec<u32> = (0..16).collect();
+    let fps = prefix_hashes(&tokens, 4);
+    let tenant_a = partition_key("", "tenant-a").into_owned();
+    assert_ne!(tenant_a, "");
+
+    // vLLM: the salt is on the request's first event (block 0) only.
+    let first = apply(
+        &mut t,
+        &metrics,
+        salted(&[10, 11], None, &tokens[..8], Some("tenant-a")),
+    );
+    assert_eq!(first, vec![store(&tenant_a, Tier::T1, fps[..2].to_vec())]);
+    let child = apply(
+        &mut t,
+        &metrics,
+        salted(&[12], Some(11), &tokens[8..12], None),
+    );
+    assert_eq!(child, vec![store(&tenant_a, Tier::T1, vec![fps[2]])]);
+    let grandchild = apply(
+        &mut t,
+        &metrics,
+        salted(&[13], Some(12), &tokens[12..], None),
+    );
+    assert_eq!(grandchild, vec![store(&tenant_a, Tier::T1, vec![fps[3]])]);
+
+    // The same tokens unsalted (other engine hashes): same content
+    // fingerprints, the unsalted partition, unchanged from before salts.
+    let plain = apply(
+        &mut t,
+        &metrics,
+        salted(&[20, 21], None, &tokens[..8], None),
+    );
+    assert_eq!(plain, vec![store("", Tier::T1, fps[..2].to_vec())]);
+    let plain_child = apply(
+        &mut t,
+        &metrics,
+        salted(&[22], Some(21), &tokens[8..12], None),
+    );
+    assert_eq!(plain_child, vec![store("", Tier::T1, vec![fps[2]])]);
+
+    // Another salt is another partition.
+    let tenant_b = partition_key("", "tenant-b").into_owned();
+    let other = apply(
+        &mut t,
+        &metrics,
+        salted(&[30], None, &tokens[..4], Some("tenant-b")),
+    );
+    assert_eq!(other, vec![store(&tenant_b, Tier::T1, vec![fps[0]])]);
+    assert_ne!(tenant_a, tenant_b);
+
+    // Removals name the partition the blocks were stored under.
+    let gone = apply(&mut t, &metrics, removed(&[12, 22, 30], "GPU"));
+    assert_eq!(
+        gone,
+        vec![
+            evict(&tenant_a, vec![fps[2]]),
+            evict("", vec![fps[2]]),
+            evict(&tenant_b, vec![fps[0]]),
+        ]
+    );
+
+    // A snapshot carries the partitions too.
+    let mut out = Vec::new();
+    t.snapshot(&mut out);
+    let mut held: Vec<(String, u64)> = out
+        .iter()
+        .flat_map(|a| match a {
+            Action::Store {
+                adapter,
+                fingerprints,
+                ..
+            } => fingerprints
+                .iter()
+                .map(|f| (adapter.to_string(), *f))
+                .collect::<Vec<_>>(),
+            _ => Vec::new(),
+        })
+        .collect();
+    held.sort();
+    let mut expected = vec![
+        (tenant_a.clone(), fps[0]),
+        (tenant_a.clone(), fps[1]),
+        (tenant_a.clone(), fps[3]),
+        (String::new(), fps[0]),
+        (String::new(), fps[1]),
+    ];
+    expected.sort();
+    assert_eq!(held, expected);
+}
+
+#[test]
+fn salt_combines_with_the_adapter_and_an_explicit_salt_wins() {
+    use inference_cache_fingerprint::partition_key;
+    let metrics = Metrics::new();
+    let mut t = tracker(true);
+    let tokens: Vec<u32> = (0..8).collect();
+    let fps = prefix_hashes(&tokens, 4);
+    let lora_salted = partition_key("sql-lora", "s1").into_owned();
+    assert!(lora_salted.starts_with("sql-lora"));
+
+    let event = KvEvent::Stored(BlockStored {
+        lora_name: Some("sql-lora".into()),
+        cache_salt: Some("s1".into()),
+        ..stored(&[1], None, &tokens[..4])
+    });
+    assert_eq!(
+        apply(&mut t, &metrics, event),
+        vec![store(&lora_salted, Tier::T1, vec![fps[0]])]
+    );
+    let child = KvEvent::Stored(BlockStored {
+        lora_name: Some("sql-lora".into()),
+        ..stored(&[2], Some(1), &tokens[4..])
+    });
+    assert_eq!(
+        apply(&mut t, &metrics, child),
+        vec![store(&lora_salted, Tier::T1, vec![fps[1]])]
+    );
+    // SGLang names the salt on every event; an explicit salt is used as is.
+    let explicit = salted(&[3], Some(1), &tokens[4..], Some("s2"));
+    assert_eq!(
+        apply(&mut t, &metrics, explicit),
+        vec![store(&partition_key("", "s2"), Tier::T1, vec![fps[1]])]
+    );
+    // An empty salt is no salt: the child inherits.
+    let empty = KvEvent::Stored(BlockStored {
+        lora_name: Some("sql-lora".into()),
+        cache_salt: Some(String::new()),
+        ..stored(&[4], Some(1), &tokens[4..])
+    });
+    assert_eq!(
+        apply(&mut t, &metrics, empty),
+        vec![store(&lora_salted, Tier::T1, vec![fps[1]])]
+    );
+    // With the offload tier a GPU eviction re-reports at T2, same partition.
+    assert_eq!(
+        apply(&mut t, &metrics, removed(&[2], "GPU")),
+        vec![store(&lora_salted, Tier::T2, vec![fps[1]])]
+    );
+}
