@@ -33,7 +33,15 @@ Two modes:
       "lora_id": null, "medium": "GPU", "lora_name": null} /
       {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"} /
       {"type": "AllBlocksCleared"}; a hash is an int (signed or unsigned) or
-      {"hex": "..."} for the bytes form.
+      {"hex": "..."} for the bytes form. Cache salts:
+        "vllm_extra_keys": [entry, ...]  vLLM's `extra_keys` (>= 0.18), one
+            entry per block, null or a list of items: strings (LoRA name,
+            salt), lists (multimodal (identifier, offset) pairs) and
+            {"hex": ...} (prompt-embeds digests as bytes); array item 8 (with
+            `lora_name` kept in place) or the map key `extra_keys`.
+        "sglang_cache_salt": "..."  SGLang's salt: in the array layout the
+            {"cache_salt": ...} map 0.5.18-0.5.19 append after the fields, in
+            the map layout (0.5.20+) the `cache_salt` key.
 
   kv_publisher.py fixtures DIR
       Writes the payload fixtures the Rust decoder unit tests read.
@@ -55,6 +63,19 @@ def _hash(value):
     if isinstance(value, dict):
         return bytes.fromhex(value["hex"])
     return value
+
+
+def _extra_item(value):
+    if isinstance(value, dict):
+        return bytes.fromhex(value["hex"])
+    if isinstance(value, list):
+        return [_extra_item(v) for v in value]
+    return value
+
+
+def _extra_keys(event):
+    return [None if entry is None else [_extra_item(v) for v in entry]
+            for entry in event["vllm_extra_keys"]]
 
 
 def event_fields(event):
@@ -86,9 +107,13 @@ def encode_event(event, layout):
     # msgspec omit_defaults: a defaulted field equal to its default is left out
     # (for array_like structs only when trailing).
     if layout == "array":
+        if "vllm_extra_keys" in event:
+            fields.append(("extra_keys", _extra_keys(event), None))
         while fields and fields[-1][2] == "default-none" and fields[-1][1] is None:
             fields.pop()
         out = [kind] + [value for _, value, _ in fields]
+        if "sglang_cache_salt" in event:
+            out.append({"cache_salt": event["sglang_cache_salt"]})
         out.extend(event.get("extra_fields", []))
         return out
     if layout == "map":
@@ -97,6 +122,10 @@ def encode_event(event, layout):
             if default == "default-none" and value is None:
                 continue
             out[name] = value
+        if "vllm_extra_keys" in event:
+            out["extra_keys"] = _extra_keys(event)
+        if "sglang_cache_salt" in event:
+            out["cache_salt"] = event["sglang_cache_salt"]
         out.update(event.get("extra_keys", {}))
         return out
     raise ValueError(f"unknown layout {layout!r}")

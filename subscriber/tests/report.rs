@@ -1,7 +1,8 @@
 //! Publisher (real ZMQ, byte-exact vLLM frames from Python) → subscriber →
 //! a recording gRPC server: what reaches the ReportCacheState stream and
-//! PublishEvent, for both vLLM layouts, LoRA, tiers, gaps, malformed frames
-//! and an unavailable or restarting server.
+//! PublishEvent, for both vLLM layouts, LoRA, cache salts (vLLM and SGLang
+//! layouts), tiers, gaps, malformed frames and an unavailable or restarting
+//! server.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -493,4 +494,100 @@ async fn held_blocks_are_refreshed_with_a_liveness_event() {
     assert!(metric(&sub, "inferencecache_subscriber_refreshes_total") >= 1.0);
     sub.shutdown().await;
     server.kill().await;
+}
+
+/// Salted requests from both engines' wire layouts: every block is reported,
+/// and evicted, under `partition_key(adapter, salt)`; unsalted blocks stay in
+/// the bare adapter partition.
+async fn salted_blocks_are_reported_under_their_partition(layout: &str) {
+    use inference_cache_fingerprint::partition_key;
+    let server = RecordingServer::start("127.0.0.1:0".parse().unwrap()).await;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(&publisher, server.addr, false, &[]).await;
+    publisher.wait_subscriber(1);
+    let prompt = tokens(48, 500);
+    let want = chain(&prompt);
+
+    // vLLM: the salt is in block 0's extra_keys, after a multimodal pair;
+    // the child event names no salt and inherits it through its parent.
+    let mut first = stored(&[1, 2], None, &prompt[..32]);
+    first["vllm_extra_keys"] = json!([[["img-1", 3], "tenant-a", {"hex": "0707"}], null]);
+    let mut child = stored(&[3], Some(2), &prompt[32..]);
+    child["vllm_extra_keys"] = json!([null]);
+    // The same tokens unsalted, under other engine hashes.
+    let plain = stored(&[4, 5, 6], None, &prompt);
+    // SGLang: a salt on every event (0.5.18-0.5.19 array + map, 0.5.20+ key).
+    let mut sglang = stored(&[7], None, &prompt[..16]);
+    sglang["sglang_cache_salt"] = json!("tenant-b");
+    let mut sglang_child = stored(&[8], Some(7), &prompt[16..32]);
+    sglang_child["sglang_cache_salt"] = json!("tenant-b");
+    publisher.publish(json!([first, child, plain, sglang, sglang_child]), layout);
+    assert!(
+        eventually(WAIT, || server.received().blocks().len() >= 8).await,
+        "blocks never arrived: {:?}",
+        server.received()
+    );
+    let tenant_a = partition_key("", "tenant-a").into_owned();
+    let tenant_b = partition_key("", "tenant-b").into_owned();
+    let blocks: Vec<(String, Vec<u8>)> = server
+        .received()
+        .blocks()
+        .into_iter()
+        .map(|(adapter, _, hash)| (adapter, hash))
+        .collect();
+    assert_eq!(
+        blocks,
+        vec![
+            (tenant_a.clone(), want[0].clone()),
+            (tenant_a.clone(), want[1].clone()),
+            (tenant_a.clone(), want[2].clone()),
+            (String::new(), want[0].clone()),
+            (String::new(), want[1].clone()),
+            (String::new(), want[2].clone()),
+            (tenant_b.clone(), want[0].clone()),
+            (tenant_b.clone(), want[1].clone()),
+        ]
+    );
+    assert_eq!(
+        metric(
+            &sub,
+            "inferencecache_subscriber_events_total{type=\"BlockStored\"}"
+        ),
+        5.0,
+        "no salted event is skipped"
+    );
+
+    // Removals carry the partition key of the removed block.
+    publisher.publish(json!([removed(&[3, 6, 8], "GPU")]), layout);
+    assert!(eventually(WAIT, || server.received().cache_events().len() >= 3).await);
+    let mut evicted: Vec<(String, Vec<u8>)> = server
+        .received()
+        .cache_events()
+        .into_iter()
+        .map(|e| {
+            assert_eq!(e.r#type, cache_event::Type::PrefixEvicted as i32);
+            (e.adapter_id, e.prefix_hash)
+        })
+        .collect();
+    // One PublishEvent per block: their arrival order is not part of the contract.
+    evicted.sort();
+    let mut expected = vec![
+        (tenant_a, want[2].clone()),
+        (String::new(), want[2].clone()),
+        (tenant_b, want[1].clone()),
+    ];
+    expected.sort();
+    assert_eq!(evicted, expected);
+    sub.shutdown().await;
+    server.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salted_blocks_array_layout() {
+    salted_blocks_are_reported_under_their_partition("array").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salted_blocks_map_layout() {
+    salted_blocks_are_reported_under_their_partition("map").await;
 }
