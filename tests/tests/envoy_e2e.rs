@@ -237,21 +237,7 @@ async fn affinity_hint_sends_a_prompt_to_the_same_replica_every_time() -> anyhow
 async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     // The server tokenizes the conversation with a real tokenizer (Qwen3's files served as MODEL).
-    let qwen3 = std::path::PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../.cache/tokenizers/qwen3"
-    ));
-    ensure!(
-        qwen3.join("tokenizer.json").is_file(),
-        "tokenizer files missing under {}: run scripts/setup-tokenizers.sh",
-        qwen3.display()
-    );
-    let models = tempfile::tempdir()?;
-    std::os::unix::fs::symlink(&qwen3, models.path().join(MODEL))?;
-    let policy = tempfile::tempdir()?;
-    let mut config = contract_ranker_config(policy.path())?;
-    config.prompts.tokenizer_models_dir = Some(models.path().to_path_buf());
-    let server = TestServer::start_with(config).await?;
+    let (server, _dirs) = qwen3_server().await?;
     let stack = stack(server.grpc_addr(), 500).await?;
     ingest_background(&server).await?;
     let text = "Summarise the following design notes for a new engineer. ".repeat(20);
@@ -294,6 +280,187 @@ async fn chat_request_routes_via_messages() -> anyhow::Result<()> {
     let mut client = HttpClient::connect(stack.envoy.addr).await?;
     let response = client.post("/v1/chat/completions", &[], body).await?;
     response.assert_routed("PREFIX_MATCH", "replica-c", || context(&stack));
+    Ok(())
+}
+
+/// A 40-tool agent preamble (a few thousand Qwen3 tokens once templated).
+fn agent_tools() -> serde_json::Value {
+    let tools: Vec<serde_json::Value> = (0..40)
+        .map(|index| {
+            serde_json::json!({
+                "type": "function",
+                "function": {
+                    "name": format!("service_{index:02}_query"),
+                    "description": format!(
+                        "Queries internal service number {index} for records that match a filter \
+                         and returns at most `limit` rows ordered by their last update time. Use \
+                         it when the user asks about data owned by team {index}."
+                    ),
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "filter": {"type": "string", "description": "A filter expression such as `status = open`."},
+                            "limit": {"type": "integer", "minimum": 1, "maximum": 500, "description": "Rows to return."},
+                            "region": {"type": "string", "enum": ["eu-west", "us-east", "ap-south"]},
+                        },
+                        "required": ["filter"],
+                    },
+                },
+            })
+        })
+        .collect();
+    serde_json::Value::Array(tools)
+}
+
+/// The messages of each step of an agent loop: the question, then per step
+/// an assistant tool call (`content: null`, then absent) and the tool's result.
+fn agent_steps() -> [serde_json::Value; 3] {
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are an operations agent. Call tools to answer."}),
+        serde_json::json!({"role": "user", "content": [{"type": "text", "text": "Which open incidents in eu-west involve teams 3 and 17?"}]}),
+    ];
+    let first = serde_json::Value::Array(messages.clone());
+    messages.push(serde_json::json!({
+        "role": "assistant",
+        "content": null,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "service_03_query",
+            "arguments": "{\"filter\": \"status = open\", \"region\": \"eu-west\", \"limit\": 20}",
+        }}],
+    }));
+    let rows: Vec<String> = (0..12)
+        .map(|row| {
+            format!("{{\"id\": \"INC-{row:04}\", \"status\": \"open\", \"owner\": \"team-3\"}}")
+        })
+        .collect();
+    messages.push(serde_json::json!({"role": "tool", "tool_call_id": "call_1", "content": format!("[{}]", rows.join(", "))}));
+    let second = serde_json::Value::Array(messages.clone());
+    messages.push(serde_json::json!({
+        "role": "assistant",
+        "tool_calls": [{"id": "call_2", "type": "function", "function": {
+            "name": "service_17_query",
+            "arguments": "{\"filter\": \"status = open\", \"region\": \"eu-west\"}",
+        }}],
+    }));
+    messages.push(serde_json::json!({"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "[{\"id\": \"INC-0007\", \"status\": \"open\", \"owner\": \"team-17\"}]"}]}));
+    [first, second, serde_json::Value::Array(messages)]
+}
+
+/// The real server under the contract ranker with Qwen3's tokenizer files
+/// served as [`MODEL`], and the directories it reads.
+async fn qwen3_server() -> anyhow::Result<(TestServer, [tempfile::TempDir; 2])> {
+    let qwen3 = std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../.cache/tokenizers/qwen3"
+    ));
+    ensure!(
+        qwen3.join("tokenizer.json").is_file(),
+        "tokenizer files missing under {}: run scripts/setup-tokenizers.sh",
+        qwen3.display()
+    );
+    let models = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(&qwen3, models.path().join(MODEL))?;
+    let policy = tempfile::tempdir()?;
+    let mut config = contract_ranker_config(policy.path())?;
+    config.prompts.tokenizer_models_dir = Some(models.path().to_path_buf());
+    let server = TestServer::start_with(config).await?;
+    Ok((server, [models, policy]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_loop_with_tools_routes_each_step_to_the_previous_steps_replica() -> anyhow::Result<()>
+{
+    let _serial = SERIAL.lock().await;
+    let (server, _dirs) = qwen3_server().await?;
+    let stack = stack(server.grpc_addr(), 500).await?;
+    ingest_background(&server).await?;
+    let tools = agent_tools();
+    let kwargs = serde_json::json!({"enable_thinking": false});
+    let steps = agent_steps();
+    // The tokens the engine sees for a step: the server renders the same JSON
+    // text the filter forwards (tools, tool calls, kwargs and all).
+    let mut grpc = server.client().await?;
+    let mut step_tokens = Vec::new();
+    for messages in &steps {
+        let lookup = grpc
+            .lookup_route(LookupRouteRequest {
+                model_id: MODEL.into(),
+                tenant_id: TENANT.into(),
+                hash_scheme: "vllm".into(),
+                messages_json: messages.to_string(),
+                tools_json: tools.to_string(),
+                chat_template_kwargs_json: kwargs.to_string(),
+                ..LookupRouteRequest::default()
+            })
+            .await?
+            .into_inner();
+        ensure!(
+            !lookup.token_ids.is_empty(),
+            "the server tokenized nothing for an agent step (reason {})",
+            lookup.reason_code
+        );
+        step_tokens.push(lookup.token_ids);
+    }
+    ensure!(
+        step_tokens[0].len() >= 3_000,
+        "the tool preamble is {} tokens, expected a long one",
+        step_tokens[0].len()
+    );
+    // Each step's prompt extends the previous one up to its generation prompt.
+    for pair in step_tokens.windows(2) {
+        let shared = pair[0]
+            .iter()
+            .zip(&pair[1])
+            .take_while(|(a, b)| a == b)
+            .count();
+        ensure!(
+            shared + 16 >= pair[0].len() && pair[1].len() > pair[0].len() + 32,
+            "a step's prompt does not extend the previous one ({shared} of {} tokens shared)",
+            pair[0].len()
+        );
+    }
+    let body = |messages: &serde_json::Value, salt: Option<&str>| {
+        let mut body = serde_json::json!({
+            "model": MODEL,
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": "auto",
+            "chat_template_kwargs": kwargs,
+            "stream": false,
+        });
+        if let Some(salt) = salt {
+            body["cache_salt"] = salt.into();
+        }
+        body.to_string()
+    };
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    // Step 1 was served by replica-a, step 2 by replica-b: each next step
+    // goes where the previous one's blocks are, the longest prefix winning.
+    ingest(&server, "replica-a", &step_tokens[0]).await?;
+    let response = client
+        .post("/v1/chat/completions", &[], body(&steps[1], None))
+        .await?;
+    response.assert_routed("PREFIX_MATCH", "replica-a", || context(&stack));
+    ingest(&server, "replica-b", &step_tokens[1]).await?;
+    let response = client
+        .post("/v1/chat/completions", &[], body(&steps[2], None))
+        .await?;
+    response.assert_routed("PREFIX_MATCH", "replica-b", || context(&stack));
+    // Another tenant's salt never matches those unsalted blocks.
+    let response = client
+        .post(
+            "/v1/chat/completions",
+            &[],
+            body(&steps[2], Some("tenant-b-salt")),
+        )
+        .await?;
+    assert_eq!(response.status, 200, "{}", context(&stack));
+    assert_ne!(
+        response.header(REASON),
+        Some("PREFIX_MATCH"),
+        "{}",
+        context(&stack)
+    );
     Ok(())
 }
 
