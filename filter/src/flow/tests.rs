@@ -379,6 +379,23 @@ fn chat_and_string_prompts_go_as_server_inputs() {
     let mut flow = RequestFlow::new(settings());
     send(&mut flow, &mut host);
     assert_eq!(host.sent_request().messages.len(), 1);
+    assert_eq!(
+        host.sent_request().messages_json,
+        r#"[{"role":"user","content":"hi"}]"#
+    );
+
+    // Agent traffic: tools and a tool call go verbatim, with the salt.
+    let messages = r#"[{"role":"user","content":"weather?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"w","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"sun"}]"#;
+    let tools = r#"[{"type":"function","function":{"name":"w"}}]"#;
+    let body = format!(r#"{{"model":"m","messages":{messages},"tools":{tools},"cache_salt":"s"}}"#);
+    let mut host = FakeHost::request("POST", "/v1/chat/completions", body.as_bytes());
+    let mut flow = RequestFlow::new(settings());
+    send(&mut flow, &mut host);
+    let sent = host.sent_request();
+    assert_eq!(sent.messages_json, messages);
+    assert_eq!(sent.tools_json, tools);
+    assert_eq!(sent.cache_salt, "s");
+    assert!(sent.messages.is_empty());
 
     let mut host = FakeHost::request("POST", "/v1/completions", br#"{"model":"m","prompt":"hi"}"#);
     let mut flow = RequestFlow::new(settings());
