@@ -25,6 +25,15 @@ async fn server_on(addr: SocketAddr) -> ServerProcess {
 }
 
 async fn lookup(server: SocketAddr, tokens: &[u32], adapter: &str) -> LookupRouteResponse {
+    lookup_salted(server, tokens, adapter, "").await
+}
+
+async fn lookup_salted(
+    server: SocketAddr,
+    tokens: &[u32],
+    adapter: &str,
+    cache_salt: &str,
+) -> LookupRouteResponse {
     let mut client = InferenceCacheClient::connect(format!("http://{server}"))
         .await
         .expect("connect");
@@ -35,6 +44,7 @@ async fn lookup(server: SocketAddr, tokens: &[u32], adapter: &str) -> LookupRout
             hash_scheme: "vllm".into(),
             token_ids: tokens.to_vec(),
             adapter_id: adapter.into(),
+            cache_salt: cache_salt.into(),
             ..Default::default()
         })
         .await
@@ -428,6 +438,83 @@ async fn e2e_late_start_replays_from_zero() {
         metric(&sub, "inferencecache_subscriber_first_frame_replays_total"),
         1.0
     );
+    sub.shutdown().await;
+    server.kill();
+}
+
+/// Polls a salted LookupRoute until `check` accepts the answer.
+async fn lookup_salted_until(
+    server: SocketAddr,
+    tokens: &[u32],
+    cache_salt: &str,
+    check: impl Fn(&LookupRouteResponse) -> bool,
+) -> LookupRouteResponse {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let answer = lookup_salted(server, tokens, "", cache_salt).await;
+        if check(&answer) || std::time::Instant::now() > deadline {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Salted blocks reported by the subscriber (vLLM `extra_keys`, SGLang's
+/// 0.5.19 salt map) match only lookups with the same `cache_salt`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2e_salted_blocks_match_only_the_same_salt() {
+    let server = server_on(free_port()).await;
+    let addr = server.addr;
+    let mut publisher = Publisher::start("v25");
+    let sub = subscriber(&publisher, addr, false, &[]).await;
+    publisher.wait_subscriber(1);
+
+    // vLLM: salt on block 0 only; the second event inherits it.
+    let tokens = prompt(1);
+    let hs = hashes(100);
+    let mut first = stored(&hs[..4], None, &tokens[..64]);
+    first["vllm_extra_keys"] = json!([["tenant-a"], null, null, null]);
+    let mut rest = stored(&hs[4..], Some(hs[3]), &tokens[64..]);
+    rest["vllm_extra_keys"] = json!([null, null, null, null]);
+    // SGLang 0.5.19: the salt map after the array's fields, on every event.
+    let other = prompt(5000);
+    let mut sglang = stored(&hashes(200), None, &other);
+    sglang["sglang_cache_salt"] = json!("tenant-b");
+    publisher.publish(json!([first, rest, sglang]), "array");
+
+    let answer = lookup_salted_until(addr, &tokens, "tenant-a", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "salted lookup not matched: {answer:?}"
+    );
+    let answer = lookup_salted_until(addr, &other, "tenant-b", is_match(128)).await;
+    assert!(
+        is_match(128)(&answer),
+        "SGLang salted blocks not matched: {answer:?}"
+    );
+
+    // Unsalted and other-salt lookups of the same tokens never match.
+    assert!(
+        no_match(&lookup(addr, &tokens, "").await),
+        "unsalted matched salted blocks"
+    );
+    assert!(
+        no_match(&lookup(addr, &other, "").await),
+        "unsalted matched salted blocks"
+    );
+    let answer = lookup_salted(addr, &tokens, "", "tenant-b").await;
+    assert!(no_match(&answer), "another salt matched: {answer:?}");
+    let answer = lookup_salted(addr, &other, "", "tenant-a").await;
+    assert!(no_match(&answer), "another salt matched: {answer:?}");
+
+    // Removal reaches the salted partition.
+    publisher.publish(json!([removed(&hs[4..], "GPU")]), "array");
+    let answer = lookup_salted_until(addr, &tokens, "tenant-a", is_match(64)).await;
+    assert!(
+        is_match(64)(&answer),
+        "salted removal not applied: {answer:?}"
+    );
+
     sub.shutdown().await;
     server.kill();
 }
