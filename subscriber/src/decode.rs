@@ -18,7 +18,9 @@
 //!   `lora_name` or `lora_id`) and the salt; pairs are arrays and digests are
 //!   bytes. Rule: drop a leading string when the event names a LoRA, the
 //!   next string is the salt. A string in the entry of a block with a parent
-//!   is never taken for a salt.
+//!   is never taken for a salt. Should an engine ever put another bare
+//!   string there, the blocks land in a partition no lookup names: matches
+//!   are lost, never made across salts.
 //! - SGLang ≥ 0.5.20 maps carry `cache_salt`. SGLang 0.5.18–0.5.19 append a
 //!   `{"cache_salt": …}` map after a tagged array's fields (where `medium` or
 //!   `lora_name` would be): any map found at an optional array position is
