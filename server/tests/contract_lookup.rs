@@ -449,13 +449,14 @@ async fn caller_deadline_already_passed_is_timeout_not_an_error() {
         "PREFIX_MATCH"
     );
     // grpc-timeout "1n": the deadline has passed by the time the server reads
-    // it. The handler answers TIMEOUT; tonic's own deadline layer races it
-    // and wins only when the request body had not arrived by the handler's
-    // first poll (then the caller gets DEADLINE_EXCEEDED, also fail-open for
-    // a gateway). Over several calls the handler's answer must show up, and
-    // no call may fail any other way.
+    // it. The handler answers TIMEOUT; tonic's own deadline layers (server
+    // and client side) race it and win only when the request or the answer
+    // was not ready at their first poll (the caller then gets
+    // DEADLINE_EXCEEDED or CANCELLED, fail-open for a gateway too). Over
+    // several calls the handler's answer must show up, and no call may fail
+    // any other way.
     let mut answered = 0;
-    for _ in 0..5 {
+    for _ in 0..20 {
         let mut request = tonic::Request::new(chain_lookup(&blocks));
         request.set_timeout(std::time::Duration::from_nanos(1));
         match h.client.lookup_route(request).await {
@@ -471,7 +472,15 @@ async fn caller_deadline_already_passed_is_timeout_not_an_error() {
                 );
                 answered += 1;
             }
-            Err(status) => assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}"),
+            // Either side's deadline layer (the server's answers
+            // DEADLINE_EXCEEDED, the client's own reports CANCELLED).
+            Err(status) => assert!(
+                matches!(
+                    status.code(),
+                    tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+                ),
+                "{status:?}"
+            ),
         }
     }
     assert!(
