@@ -7,7 +7,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export REPO="$PWD"
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step prints its title, and the previous step's wall time, so a slow
+# run says where the time went; the total is printed at the end.
+SCRIPT_START=$SECONDS
+STEP_START=$SECONDS
+STEP_NAME=""
+step() {
+    if [ -n "$STEP_NAME" ]; then
+        printf '    (%s: %ds)\n' "$STEP_NAME" $((SECONDS - STEP_START))
+    fi
+    STEP_NAME="$*"
+    STEP_START=$SECONDS
+    printf '\n==> %s\n' "$*"
+}
 
 step "toolchain (rust-toolchain.toml)"
 rustup toolchain install --no-self-update >/dev/null
@@ -46,3 +58,4 @@ cargo test --workspace --all-targets --no-fail-fast
 cargo test --workspace --doc
 
 step "all checks passed"
+printf '    (total: %ds)\n' $((SECONDS - SCRIPT_START))
