@@ -2,7 +2,8 @@
 # Runs every check and test of the workspace on a fresh machine:
 # installs the pinned toolchain and the test assets (Python venv, tokenizer
 # files, Envoy), then format, lints, golden-vector parity, wasm builds and
-# the full test suite. Safe to re-run: downloads are cached under .cache/.
+# the full test suite, then every fuzz target briefly. Safe to re-run:
+# downloads are cached under .cache/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export REPO="$PWD"
@@ -56,6 +57,9 @@ fi
 step "cargo test --workspace"
 cargo test --workspace --all-targets --no-fail-fast
 cargo test --workspace --doc
+
+step "fuzz targets, 10 s each (scripts/fuzz.sh)"
+scripts/fuzz.sh 10
 
 step "all checks passed"
 printf '    (total: %ds)\n' $((SECONDS - SCRIPT_START))
