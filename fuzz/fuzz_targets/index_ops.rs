@@ -14,66 +14,14 @@ use std::time::{Duration, Instant};
 
 use inference_cache_index as index;
 use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest};
-use inference_cache_server::{Limits, Metrics, limits::bound_update};
+use inference_cache_server::limits::{bound_lookup, bound_update};
+use inference_cache_server::{Limits, Metrics, cache_update};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 
 /// Small enough that the fuzzer reaches the cap and its evictions.
 const MAX_ENTRIES: u64 = 256;
 const BLOCK_SIZE: usize = 16;
-
-/// The server's `cache_update` (gRPC edge), field for field.
-fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
-    index::CacheUpdate {
-        replica_id: update.replica_id,
-        model_id: update.model_id,
-        tenant_id: update.tenant_id,
-        hash_scheme: update.hash_scheme,
-        adapter_id: update.adapter_id,
-        prefixes: update
-            .prefixes
-            .into_iter()
-            .map(|p| index::PrefixReport {
-                prefix_hash: p.prefix_hash,
-                token_count: p.token_count,
-                block_hashes: p.block_hashes,
-                block_token_counts: p.block_token_counts,
-                tier: index::Tier::from_i32(p.tier),
-                adapter_id: p.adapter_id,
-            })
-            .collect(),
-        stats: update.stats.map(|s| index::ReplicaStatsReport {
-            replica_id: s.replica_id,
-            cache_memory_bytes: s.cache_memory_bytes,
-            hit_rate: s.hit_rate,
-            pressure: s.pressure,
-            client_version: s.client_version,
-            t2_hit_tokens: s.t2_hit_tokens,
-            t2_query_tokens: s.t2_query_tokens,
-            requests_waiting: s.requests_waiting,
-            requests_running: s.requests_running,
-            kv_cache_usage: s.kv_cache_usage,
-        }),
-    }
-}
-
-/// The server's `bound_lookup`: over-wide hashes fail open (`false`),
-/// over-long chains and token lists are cut.
-fn bound_lookup(limits: &Limits, request: &mut LookupRouteRequest) -> bool {
-    let width = limits.hash_width(&request.hash_scheme);
-    if request.prefix_hash.len() > width || request.block_hashes.iter().any(|h| h.len() > width) {
-        return false;
-    }
-    let max = limits.max_chain_blocks;
-    if request.block_hashes.len() > max
-        && request.block_hashes.len() == request.block_token_counts.len()
-    {
-        request.block_hashes.truncate(max);
-        request.block_token_counts.truncate(max);
-    }
-    request.token_ids.truncate(limits.max_token_ids);
-    true
-}
 
 /// The server's `resolve_input` and `lookup`, without the tokenizer (a text
 /// prompt resolves to no chain, as on the tokenizer fail-open path).
@@ -151,7 +99,7 @@ fuzz_target!(|data: &[u8]| {
             }
             1 => {
                 if let Ok(mut request) = LookupRouteRequest::decode(record) {
-                    if bound_lookup(&limits, &mut request) {
+                    if bound_lookup(&limits, &metrics, &mut request) {
                         check(&lookup(&idx, &request));
                     }
                 }

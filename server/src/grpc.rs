@@ -93,29 +93,6 @@ impl CacheService {
     /// Applies the lookup limits in place: an over-long chain or token list is
     /// cut to a prefix (still a valid lookup); a hash wider than the scheme
     /// allows makes the lookup fail open (`false`).
-    fn bound_lookup(&self, request: &mut LookupRouteRequest) -> bool {
-        let limits = &self.limits;
-        let width = limits.hash_width(&request.hash_scheme);
-        if request.prefix_hash.len() > width || request.block_hashes.iter().any(|h| h.len() > width)
-        {
-            self.metrics.record_limit("hash_bytes");
-            return false;
-        }
-        let max = limits.max_chain_blocks;
-        if request.block_hashes.len() > max
-            && request.block_hashes.len() == request.block_token_counts.len()
-        {
-            request.block_hashes.truncate(max);
-            request.block_token_counts.truncate(max);
-            self.metrics.record_limit("chain_blocks");
-        }
-        if request.token_ids.len() > limits.max_token_ids {
-            request.token_ids.truncate(limits.max_token_ids);
-            self.metrics.record_limit("token_ids");
-        }
-        true
-    }
-
     /// The caller's deadline: its `grpc-timeout` from `started`, clamped to
     /// [`MAX_GRPC_DEADLINE`] so no deadline arithmetic can overflow.
     fn caller_deadline(
@@ -263,7 +240,7 @@ impl InferenceCache for CacheService {
                 return Ok(self.fail_open(reason::NO_HINT, started));
             }
         }
-        if !self.bound_lookup(&mut request) {
+        if !crate::limits::bound_lookup(&self.limits, &self.metrics, &mut request) {
             return Ok(self.fail_open(reason::NO_HINT, started));
         }
         let mut input = resolve_input(&request, self.index.engine_block_size);
@@ -608,7 +585,9 @@ fn replica_score(s: index::ReplicaScore) -> ReplicaScore {
     }
 }
 
-fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
+/// A `ReportCacheState` message as the index's plain update (no limits
+/// applied: see [`crate::limits::bound_update`]).
+pub fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
     index::CacheUpdate {
         replica_id: update.replica_id,
         model_id: update.model_id,

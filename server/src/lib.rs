@@ -33,6 +33,7 @@ mod security;
 pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
 };
+pub use grpc::cache_update;
 pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;

@@ -279,6 +279,34 @@ pub fn check_stats(stats: &mut inference_cache_index::ReplicaStatsReport) -> Sta
     }
 }
 
+/// Applies the lookup limits to a request in place, counting what they hit:
+/// a too-wide hash fails the lookup open (`false`); a too-long chain or
+/// token list is cut to a prefix, which is still a valid lookup.
+pub fn bound_lookup(
+    limits: &Limits,
+    metrics: &Metrics,
+    request: &mut inference_cache_proto::v1alpha1::LookupRouteRequest,
+) -> bool {
+    let width = limits.hash_width(&request.hash_scheme);
+    if request.prefix_hash.len() > width || request.block_hashes.iter().any(|h| h.len() > width) {
+        metrics.record_limit("hash_bytes");
+        return false;
+    }
+    let max = limits.max_chain_blocks;
+    if request.block_hashes.len() > max
+        && request.block_hashes.len() == request.block_token_counts.len()
+    {
+        request.block_hashes.truncate(max);
+        request.block_token_counts.truncate(max);
+        metrics.record_limit("chain_blocks");
+    }
+    if request.token_ids.len() > limits.max_token_ids {
+        request.token_ids.truncate(limits.max_token_ids);
+        metrics.record_limit("token_ids");
+    }
+    true
+}
+
 /// Applies the ingest limits to an update in place, counting what they drop:
 /// entries with a too-wide hash or a too-long chain, and entries past the
 /// per-update cap; stats with invalid values.
