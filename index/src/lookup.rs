@@ -257,6 +257,9 @@ impl CacheIndex {
             matched = Matched::Miss;
         }
 
+        // The cost-aware ranker reads every member's load once, for the
+        // ranking and for the fallback alike.
+        let mut loads: Option<crate::cost::Members> = None;
         let ranked = match (matched, policy.ranker) {
             (Matched::Hits, Ranker::Contract) => self.rank_prefix_match(
                 &ctx,
@@ -267,11 +270,11 @@ impl CacheIndex {
                 request_tokens,
             ),
             (Matched::Hits, Ranker::CostAware) => {
-                let members = self.member_loads(&ctx, &fleet, &serving);
+                let members = loads.insert(self.member_loads(&ctx, &fleet, &serving));
                 rank_by_cost(
                     &ctx,
                     &catalog,
-                    &members,
+                    members,
                     cands.as_slice(),
                     chain,
                     request_tokens,
@@ -313,7 +316,9 @@ impl CacheIndex {
                         self.affinity(policy, &catalog, &serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        let members = self.member_loads(&ctx, &fleet, &serving);
+                        let members = loads
+                            .take()
+                            .unwrap_or_else(|| self.member_loads(&ctx, &fleet, &serving));
                         bounded_affinity(
                             policy,
                             &catalog,
