@@ -4,6 +4,15 @@
 //! Change notifications come from `notify`; bursts (editors write in several
 //! steps) are collapsed into one reload. The reload callback decides what a
 //! bad edit means — every caller keeps its last good value.
+//!
+//! A watched file is watched through its directory, and any change in that
+//! directory re-reads the file's contents (following symlinks); the reload
+//! runs only when those contents differ from the last ones seen. That covers
+//! an edit in place, a replace-by-rename, and a Kubernetes ConfigMap volume,
+//! where the kubelet never touches `policy.yaml` (a symlink to
+//! `..data/policy.yaml`) but writes a new timestamped directory and renames a
+//! `..data_tmp` symlink over `..data`. Reading the file costs one read per
+//! burst of events in its directory and keeps one copy of it in memory; SIGHUP always reloads.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -25,6 +34,9 @@ pub fn spawn_reloader(
 ) {
     let (tx, mut rx) = unbounded_channel::<()>();
     let watcher = watch(&path, what, tx);
+    // A directory reloads on any change; a file only when its contents moved.
+    let watch_contents = !path.is_dir();
+    let mut last_seen = watch_contents.then(|| contents(&path));
     tokio::spawn(async move {
         let _watcher = watcher;
         let mut hangup =
@@ -41,6 +53,13 @@ pub fn spawn_reloader(
                 Some(()) = rx.recv() => {
                     tokio::time::sleep(SETTLE).await;
                     while rx.try_recv().is_ok() {}
+                    if let Some(last) = last_seen.as_mut() {
+                        let now = contents(&path);
+                        if now == *last {
+                            continue;
+                        }
+                        *last = now;
+                    }
                     reload();
                 }
                 _ = hup => {
@@ -52,28 +71,33 @@ pub fn spawn_reloader(
     });
 }
 
-/// Watches a directory (any entry changing) or a file (through its parent
-/// directory, so replace-by-rename edits are seen).
+/// A file's contents read through any symlinks (configuration files are
+/// small, so the bytes themselves are kept for comparison); `None` when it
+/// cannot be read (missing mid-swap, permissions), which counts as a change
+/// once it becomes readable again.
+fn contents(path: &Path) -> Option<Vec<u8>> {
+    std::fs::read(path).ok()
+}
+
+/// Watches a directory, or a file through its parent directory: every entry
+/// of that directory counts, because the file may be a symlink through
+/// `..data` that changes without an event naming the file.
 fn watch(
     path: &Path,
     what: &'static str,
     tx: UnboundedSender<()>,
 ) -> Option<notify::RecommendedWatcher> {
-    let (dir, name) = if path.is_dir() {
-        (path.to_path_buf(), None)
+    let dir = if path.is_dir() {
+        path.to_path_buf()
     } else {
-        let dir = match path.parent() {
+        match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
-        };
-        (dir, path.file_name().map(|n| n.to_owned()))
+        }
     };
     let handler = move |event: notify::Result<notify::Event>| {
         if let Ok(event) = event
             && !event.kind.is_access()
-            && name
-                .as_ref()
-                .is_none_or(|name| event.paths.iter().any(|p| p.file_name() == Some(name)))
         {
             let _ = tx.send(());
         }
