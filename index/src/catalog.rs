@@ -36,6 +36,8 @@ pub(crate) struct Partition {
     pub keys: AtomicI64,
     /// Block-replica entries.
     pub entries: AtomicI64,
+    /// Block-replica entries of the whole tenant (shared by its partitions).
+    pub tenant_entries: Arc<AtomicI64>,
 }
 
 /// Adapter-blind `(tenant, model, scheme)` scope and its serving replicas.
@@ -106,6 +108,7 @@ pub(crate) struct Catalog {
     pub partitions: Vec<Arc<Partition>>,
     scope_ids: HashMap<[NameId; 3], u32>,
     pub scopes: Vec<Arc<Scope>>,
+    tenant_entries: HashMap<NameId, Arc<AtomicI64>>,
 }
 
 impl Catalog {
@@ -202,6 +205,7 @@ impl Catalog {
             }
         };
         let p = u32::try_from(self.partitions.len()).unwrap_or(u32::MAX);
+        let tenant_entries = self.tenant_entries.entry(ids[0]).or_default().clone();
         self.partitions.push(Arc::new(Partition {
             tenant: ids[0],
             model: ids[1],
@@ -209,6 +213,7 @@ impl Catalog {
             scope,
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),
+            tenant_entries,
         }));
         self.partition_ids.insert(ids, p);
         p

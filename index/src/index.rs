@@ -1,10 +1,13 @@
 //! [`CacheIndex`]: ingest, events, aggregates. Lookup and sweeping live in
 //! sibling modules as further `impl CacheIndex` blocks.
 //!
-//! Ingest of one update resolves its partition(s) once, then writes each block
-//! under its shard's write lock and applies the per-partition / per-scope
-//! counter deltas once at the end. Events that name a prefix touch one key per
-//! matching partition; ALL_CLEARED scans every shard (it is rare).
+//! Ingest of one update resolves its partition(s) and the room left under the
+//! global cap and the tenant's quota, writes its blocks under the store's
+//! writer (new entries past the room are refused and counted), then applies
+//! the per-partition / per-scope counter deltas once. Events that name a
+//! prefix touch one key per matching partition; ALL_CLEARED visits only the
+//! runs the replica has cells in. No catalog or fleet lock is held while
+//! waiting for the store's writer.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -18,11 +21,11 @@ use crate::clock::{Clock, SystemClock, ms_to_secs};
 use crate::fleet::Fleet;
 use crate::model::{
     CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
-    IngestReport, PROBE_TENANT, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
-    TenantSnapshot, Tier,
+    IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport, ScopeState,
+    Snapshot, TenantSnapshot, Tier,
 };
 use crate::policy::PolicySet;
-use crate::store::{Admit, HashRef, Holder, Store};
+use crate::store::{Claim, Holding, Key, Removed, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
@@ -84,6 +87,16 @@ impl Deltas {
 
     pub fn total_entries(&self) -> i64 {
         self.entries.values().sum()
+    }
+}
+
+impl Removed for Deltas {
+    fn entry(&mut self, part: PartitionId, replica: ReplicaId) {
+        Deltas::entry(self, part, replica, -1);
+    }
+
+    fn key(&mut self, part: PartitionId) {
+        Deltas::key(self, part, -1);
     }
 }
 
@@ -214,10 +227,9 @@ impl CacheIndex {
         }
         // (adapter, partition, new entries, new keys) of this update.
         let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
-        // New entries this update may still add under the global cap.
-        let mut room = self.max_entries() as i64 - self.entry_count();
-        let max_holders = self.max_holders_per_key();
-        let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
+        // Accepted prefixes: partition slot, tier, chain keys and the legacy key.
+        let mut accepted: Vec<(usize, u8, &PrefixReport)> =
+            Vec::with_capacity(update.prefixes.len());
         for prefix in &update.prefixes {
             let has_chain =
                 !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
@@ -254,57 +266,73 @@ impl CacheIndex {
                     parts.len() - 1
                 }
             };
-            let part = parts[slot_index].1;
-            let (mut added, mut keys) = (0i64, 0i64);
             let tier = if prefix.tier == Tier::Unspecified {
                 Tier::T1
             } else {
                 prefix.tier
             };
-            let holder = Holder {
-                replica,
-                last_seen: now,
-                tier: tier as u8,
-                access: 0,
+            accepted.push((slot_index, tier as u8, prefix));
+        }
+        // The tenant's quota, enforced here as well as by the sweep.
+        let quota_room = {
+            let policies = self.policies.load();
+            let quota = policies.for_tenant(&update.tenant_id).max_index_entries;
+            match (quota, parts.first()) {
+                (Some(max), Some(&(_, part, ..))) => {
+                    let catalog = self.catalog.read();
+                    let held = catalog.partitions[part as usize]
+                        .tenant_entries
+                        .load(Ordering::Relaxed);
+                    i64::try_from(max).unwrap_or(i64::MAX) - held
+                }
+                _ => i64::MAX,
+            }
+        };
+        let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
+        let mut keys: Vec<(Key<'_>, u32)> = Vec::new();
+        {
+            let mut w = self.store.write();
+            // New entries this update may still add under the global cap.
+            let global_room = (self.max_entries() as i64).saturating_sub(w.entries() as i64);
+            let mut holding = Holding {
+                room: global_room.min(quota_room),
+                max_holders: self.max_holders_per_key(),
+                ..Holding::default()
             };
-            let mut write = |hash: &[u8], count: i32| {
-                let hash = HashRef::from_bytes(hash);
-                let slot = Store::slot(part, hash);
-                let admit = Admit {
-                    new_entries: room > 0,
-                    max_holders,
+            for &(slot_index, tier, prefix) in &accepted {
+                let part = parts[slot_index].1;
+                let claim = Claim {
+                    replica,
+                    last_seen: now,
+                    tier,
                 };
-                let up = self.store.shard(slot.shard).write().upsert(
-                    part,
-                    hash,
-                    slot.mixed,
-                    count.max(0) as u32,
-                    holder,
-                    admit,
+                let before = (holding.added, holding.new_keys, holding.displaced.len());
+                keys.clear();
+                keys.extend(
+                    prefix
+                        .block_hashes
+                        .iter()
+                        .zip(&prefix.block_token_counts)
+                        .map(|(hash, &count)| (Key::of_bytes(part, hash), count.max(0) as u32)),
                 );
-                if up.refused {
-                    report.entries_refused += 1;
-                    return;
+                w.hold(part, &keys, claim, &mut holding);
+                if !prefix.prefix_hash.is_empty() {
+                    let key = Key::of_bytes(part, &prefix.prefix_hash);
+                    w.hold(
+                        part,
+                        &[(key, prefix.token_count.max(0) as u32)],
+                        claim,
+                        &mut holding,
+                    );
                 }
-                report.entries_written += 1;
-                added += i64::from(up.new_entry);
-                keys += i64::from(up.new_key);
-                if let Some(victim) = up.displaced {
-                    displaced.push((part, victim));
-                } else if up.new_entry {
-                    room -= 1;
-                }
-            };
-            for (hash, &count) in prefix.block_hashes.iter().zip(&prefix.block_token_counts) {
-                write(hash, count);
+                parts[slot_index].2 += holding.added - before.0;
+                parts[slot_index].3 += holding.new_keys - before.1;
+                displaced.extend(holding.displaced[before.2..].iter().map(|&v| (part, v)));
+                report.accepted_prefixes += 1;
             }
-            if !prefix.prefix_hash.is_empty() {
-                write(&prefix.prefix_hash, prefix.token_count);
-            }
-            parts[slot_index].2 += added;
-            parts[slot_index].3 += keys;
-            report.entries_added += added as u64;
-            report.accepted_prefixes += 1;
+            report.entries_written = holding.written;
+            report.entries_added = holding.added.max(0) as u64;
+            report.entries_refused = holding.refused;
         }
         let mut deltas = Deltas::default();
         for &(_, part, added, keys) in &parts {
@@ -370,6 +398,7 @@ impl CacheIndex {
         for (&(part, replica), &d) in &deltas.entries {
             let partition = &catalog.partitions[part as usize];
             partition.entries.fetch_add(d, Ordering::Relaxed);
+            partition.tenant_entries.fetch_add(d, Ordering::Relaxed);
             catalog.scopes[partition.scope as usize].add(replica, d);
             total += d;
         }
@@ -489,20 +518,19 @@ impl CacheIndex {
         let Some(replica) = self.catalog.read().replica(&event.replica_id) else {
             return 0;
         };
-        let hash = HashRef::from_bytes(&event.prefix_hash);
+        let parts = self.event_partitions(event, true);
         let mut deltas = Deltas::default();
-        for part in self.event_partitions(event, true) {
-            let slot = Store::slot(part, hash);
-            let (entry, key) = self
-                .store
-                .shard(slot.shard)
-                .write()
-                .remove(part, hash, slot.mixed, replica);
-            if entry {
-                deltas.entry(part, replica, -1);
-            }
-            if key {
-                deltas.key(part, -1);
+        {
+            let mut w = self.store.write();
+            for part in parts {
+                let key = Key::of_bytes(part, &event.prefix_hash);
+                let (entry, key) = w.release(part, &key, replica);
+                if entry {
+                    deltas.entry(part, replica, -1);
+                }
+                if key {
+                    deltas.key(part, -1);
+                }
             }
         }
         let removed = -deltas.total_entries();
@@ -526,17 +554,11 @@ impl CacheIndex {
             wanted[p as usize] = true;
         }
         let mut deltas = Deltas::default();
-        for shard in self.store.shards() {
-            shard.write().retain(
-                |part, h| {
-                    !(h.replica == replica && wanted.get(part as usize).copied().unwrap_or(false))
-                },
-                |part, r| match r {
-                    Some(r) => deltas.entry(part, r, -1),
-                    None => deltas.key(part, -1),
-                },
-            );
-        }
+        self.store.write().clear(
+            replica,
+            |part| wanted.get(part as usize).copied().unwrap_or(false),
+            &mut deltas,
+        );
         let removed = -deltas.total_entries();
         self.apply(&deltas);
         removed as u64

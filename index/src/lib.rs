@@ -13,8 +13,8 @@
 //!
 //! Key: `(tenant, model, hash_scheme, adapter, prefix_hash)` → per replica
 //! `{last_seen, tier, access_count}` (+ the key's token count). Strings are
-//! interned; 8-byte hashes are `u64`; the key space is sharded behind
-//! `RwLock`s; see the `store` module notes for layout and costs.
+//! interned; blocks are stored in runs of consecutive blocks that lookups
+//! read without locks; see the `store` module notes for layout and costs.
 //!
 //! ```
 //! use std::sync::Arc;

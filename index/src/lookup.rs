@@ -14,14 +14,12 @@
 //! 5. anything that downgraded → AFFINITY_HINT when enabled, else NO_HINT;
 //! 6. a deadline passed while working → TIMEOUT (and no LFU credit).
 //!
-//! Cost: one table probe per chain block while at least one replica is still
-//! in the run, and one merge of the run's candidates with the block's holders
-//! (both sorted by replica id, at most `maxHoldersPerKey` each), with each touched shard read-locked once (windows of 32 blocks
-//! are locked first, their home slots and then their holder lists touched in
-//! passes of independent loads, so their cache misses overlap);
-//! candidates live in a stack buffer. The only
-//! allocation is the result vector (and a small one on the AFFINITY_HINT /
-//! TENANT_HOT paths).
+//! Cost: the chain walk (`walk_chain`) takes no lock: one key-table probe
+//! per run the request passes through, then one compare per block against
+//! the run's hash array and one pass over each candidate's cells (candidates
+//! and rows both sorted by replica id). Candidates live in a stack buffer.
+//! The only allocation is the result vector (and a small one on the
+//! AFFINITY_HINT / TENANT_HOT paths).
 
 use std::time::Instant;
 
@@ -34,15 +32,11 @@ use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier};
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
-use parking_lot::RwLockReadGuard;
 use smallvec::SmallVec;
 
-use crate::store::{HashRef, Held, SHARDS, Shard, Slot, Store};
-use crate::table::keep_loads;
+use crate::store::{Cell, HashRef, Key};
 
 const INLINE: usize = 16;
-/// Blocks whose shards are locked and probed together.
-const WINDOW: usize = 32;
 
 /// Live members of a lookup's serving set, sorted by replica id.
 pub(crate) type Serving = SmallVec<[ReplicaId; 32]>;
@@ -274,6 +268,7 @@ impl CacheIndex {
                 rank_by_cost(
                     &ctx,
                     &catalog,
+                    &fleet,
                     members,
                     cands.as_slice(),
                     chain,
@@ -434,91 +429,77 @@ impl CacheIndex {
         self.observe_request_tokens(uncached as f64);
     }
 
+    /// Matches a chain in a partition: every holder of block 0 becomes a
+    /// candidate with the length, tokens, oldest last-seen and coldest tier
+    /// of its leading run of held blocks. Lock-free; see the `store` module.
     fn walk_chain(&self, part: PartitionId, chain: Chain<'_>, cands: &mut Candidates) -> Matched {
-        // Read guards of the shards touched so far, each taken once per lookup.
-        let mut guards: [Option<RwLockReadGuard<'_, Shard>>; SHARDS] =
-            std::array::from_fn(|_| None);
+        let reader = self.store.reader();
         let n = chain.hashes.len();
-        let mut start = 0;
-        while start < n {
-            let end = (start + WINDOW).min(n);
-            let mut slots = [Slot::default(); WINDOW];
-            for (k, b) in (start..end).enumerate() {
-                let slot = Store::slot(part, HashRef::from_bytes(chain.hashes.get(b)));
-                slots[k] = slot;
-                if guards[slot.shard].is_none() {
-                    // Recursive read: never queues behind a waiting writer,
-                    // so guards taken in chain order cannot deadlock with
-                    // writers (each of which holds one shard at a time).
-                    guards[slot.shard] = Some(self.store.shard(slot.shard).read_recursive());
+        let counts = chain.token_counts;
+        let Some((mut guard, mut pos)) =
+            reader.locate(part, &Key::of_bytes(part, chain.hashes.get(0)))
+        else {
+            return Matched::Miss;
+        };
+        let mut i = 0;
+        loop {
+            let Some(body) = guard.as_ref() else {
+                return Matched::Miss;
+            };
+            // How far the request follows this run: one compare per block.
+            let len = body.len();
+            let mut m = 1;
+            while i + m < n && pos + m < len {
+                let hash = HashRef::from_bytes(chain.hashes.get(i + m));
+                if !body.holds(pos + m, hash, hash.word()) {
+                    break;
                 }
+                m += 1;
             }
-            // Touch every block's home slot, then probe, then touch the holder
-            // lists: each pass issues independent loads, so the window's cache
-            // misses overlap instead of queueing; then apply the run rule in order.
-            let mut warm = 0;
-            for (k, b) in (start..end).enumerate() {
-                if let Some(shard) = guards[slots[k].shard].as_ref() {
-                    warm ^= shard.touch(HashRef::from_bytes(chain.hashes.get(b)), slots[k].mixed);
-                }
-            }
-            let mut probed: [Option<Held<'_>>; WINDOW] = [None; WINDOW];
-            for (k, b) in (start..end).enumerate() {
-                if let Some(shard) = guards[slots[k].shard].as_ref() {
-                    let hash = HashRef::from_bytes(chain.hashes.get(b));
-                    probed[k] = shard.get(part, hash, slots[k].mixed);
-                    warm ^= probed[k].map_or(0, |held| held.holders.as_ptr() as usize);
-                }
-            }
-            for held in probed.iter().take(end - start).flatten() {
-                warm ^= held.holders.first().map_or(0, |h| h.replica as usize);
-            }
-            keep_loads(warm);
-            for (k, i) in (start..end).enumerate() {
-                let tokens = i64::from(chain.token_counts[i]);
-                let held = probed[k];
-                if i == 0 {
-                    let Some(held) = held else {
-                        return Matched::Miss;
+            let tokens = &counts[i..i + m];
+            let mut any = false;
+            if i == 0 {
+                for row in 0..body.row_count() {
+                    let mut c = Candidate {
+                        replica: body.replica(row),
+                        matched: 0,
+                        blocks: 0,
+                        oldest_seen: u32::MAX,
+                        tier: 0,
+                        active: true,
                     };
-                    for h in held.holders {
-                        cands.push(Candidate {
-                            replica: h.replica,
-                            matched: tokens,
-                            blocks: 1,
-                            oldest_seen: h.last_seen,
-                            tier: h.tier,
-                            active: true,
-                        });
+                    extend(&mut c, body.cells(row, pos, pos + m), tokens);
+                    if c.blocks > 0 {
+                        any |= c.active;
+                        cands.push(c);
                     }
-                    continue;
                 }
-                // Candidates and holders are both sorted by replica id: one merge.
-                let holders = held.map_or(&[][..], |h| h.holders);
-                let mut any = false;
-                let mut j = 0;
+                if cands.as_slice().is_empty() {
+                    return Matched::Miss;
+                }
+            } else {
+                // Candidates and rows are both sorted by replica id.
+                let mut from = 0;
                 for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
-                    while j < holders.len() && { holders[j].replica } < c.replica {
-                        j += 1;
-                    }
-                    match holders.get(j).filter(|h| h.replica == c.replica) {
-                        Some(h) => {
-                            c.matched += tokens;
-                            c.blocks += 1;
-                            c.oldest_seen = c.oldest_seen.min(h.last_seen);
-                            c.tier = c.tier.max(h.tier);
-                            any = true;
+                    match body.row_from(c.replica, from) {
+                        Some(row) => {
+                            from = row + 1;
+                            extend(c, body.cells(row, pos, pos + m), tokens);
+                            any |= c.active;
                         }
                         None => c.active = false,
                     }
                 }
-                if !any {
-                    return Matched::Hits;
-                }
             }
-            start = end;
+            i += m;
+            if !any || i == n {
+                return Matched::Hits;
+            }
+            match reader.locate(part, &Key::of_bytes(part, chain.hashes.get(i))) {
+                Some((g, p)) => (guard, pos) = (g, p),
+                None => return Matched::Hits,
+            }
         }
-        Matched::Hits
     }
 
     fn match_exact(
@@ -528,28 +509,37 @@ impl CacheIndex {
         request_tokens: i32,
         cands: &mut Candidates,
     ) -> Matched {
-        let hash = HashRef::from_bytes(prefix_hash);
-        let slot = Store::slot(part, hash);
-        let shard = self.store.shard(slot.shard).read();
-        let Some(held) = shard.get(part, hash, slot.mixed) else {
+        let reader = self.store.reader();
+        let Some((guard, pos)) = reader.locate(part, &Key::of_bytes(part, prefix_hash)) else {
             return Matched::Miss;
         };
-        let tokens = if held.token_count > 0 {
-            i64::from(held.token_count)
+        let Some(body) = guard.as_ref() else {
+            return Matched::Miss;
+        };
+        let stored = body.count(pos);
+        let tokens = if stored > 0 {
+            i64::from(stored)
         } else {
             i64::from(request_tokens.max(0))
         };
-        for h in held.holders {
-            cands.push(Candidate {
-                replica: h.replica,
-                matched: tokens,
-                blocks: 1,
-                oldest_seen: h.last_seen,
-                tier: h.tier,
-                active: true,
-            });
+        for row in 0..body.row_count() {
+            let cell = body.cell(row, pos);
+            if cell.held() {
+                cands.push(Candidate {
+                    replica: body.replica(row),
+                    matched: tokens,
+                    blocks: 1,
+                    oldest_seen: cell.last_seen(),
+                    tier: cell.tier(),
+                    active: true,
+                });
+            }
         }
-        Matched::Hits
+        if cands.as_slice().is_empty() {
+            Matched::Miss
+        } else {
+            Matched::Hits
+        }
     }
 
     fn rank_prefix_match(
@@ -725,6 +715,7 @@ impl CacheIndex {
         scores: &[ReplicaScore],
         cands: &[Candidate],
     ) {
+        let reader = self.store.reader();
         for score in scores {
             let Some(replica) = catalog.replica(&score.replica_id) else {
                 continue;
@@ -733,19 +724,34 @@ impl CacheIndex {
                 .iter()
                 .find(|c| c.replica == replica)
                 .map_or(0, |c| c.blocks as usize);
-            let touch = |bytes: &[u8]| {
-                let hash = HashRef::from_bytes(bytes);
-                let slot = Store::slot(part, hash);
-                self.store
-                    .shard(slot.shard)
-                    .write()
-                    .credit(part, hash, slot.mixed, replica);
+            let credit = |key: &Key<'_>| {
+                if let Some((guard, pos)) = reader.locate(part, key)
+                    && let Some(body) = guard.as_ref()
+                    && let Some(row) = body.row(replica)
+                {
+                    body.credit(row, pos);
+                }
             };
             match chain {
-                Some(c) => (0..blocks).for_each(|i| touch(c.hashes.get(i))),
-                None => touch(prefix_hash),
+                Some(c) => (0..blocks.min(c.hashes.len()))
+                    .for_each(|i| credit(&Key::of_bytes(part, c.hashes.get(i)))),
+                None => credit(&Key::of_bytes(part, prefix_hash)),
             }
         }
+    }
+}
+
+/// Extends a candidate's leading run over consecutive cells of its row.
+fn extend(c: &mut Candidate, cells: impl Iterator<Item = Cell>, tokens: &[i32]) {
+    for (cell, &n) in cells.zip(tokens) {
+        if !cell.held() {
+            c.active = false;
+            return;
+        }
+        c.matched += i64::from(n);
+        c.blocks += 1;
+        c.oldest_seen = c.oldest_seen.min(cell.last_seen());
+        c.tier = c.tier.max(cell.tier());
     }
 }
 

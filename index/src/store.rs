@@ -1,40 +1,60 @@
-//! The sharded block store: prefix key → compact holder list.
+//! The block store: runs of consecutive blocks with per-holder cells,
+//! readable without locks.
 //!
-//! Key: `(partition, prefix_hash)`. An 8-byte hash (every engine today) is kept
-//! as a `u64` in a 32-byte table entry — hash, holder pointer, partition and
-//! token count — so a lookup probe touches one cache line of the table plus
-//! the holder list. Other widths live in a side table keyed by the raw bytes.
-//! Each key's holders are an exact-size boxed slice of 11-byte [`Holder`]s
-//! (replica id, last-seen seconds, tier, access count) sorted by replica id,
-//! so a chain walk intersects candidates and holders in one merge pass;
-//! adding a replica to a key reallocates it, refreshing one is in place. A
-//! key keeps at most [`Admit::max_holders`] holders (the stalest makes room).
+//! Shape:
+//! - A **run** holds up to [`RUN_BLOCKS`] blocks of one partition that were
+//!   reported one after the other: their hashes and token counts, and one
+//!   8-byte cell per (holder, block) packing last-seen seconds, LFU access
+//!   count and tier (tier 0: not held). Every key lives at exactly one
+//!   position of one run, and a position never changes key while its run
+//!   lives, so a chain walk finds the first block through the key table and
+//!   then compares the following request hashes with the run's hash array in
+//!   order — one probe per run, not per block — re-probing only where the
+//!   request leaves the run. Holes are exact: a holder that lost a block in
+//!   the middle has a cleared cell there and its match stops at it.
+//! - The **key table** ([`KeyTable`]) maps `(partition, hash)` to
+//!   `run << 6 | position`. Hashes of any width are kept; a wide one is
+//!   compared through a 64-bit digest and then in full.
+//! - **Readers** take no locks and allocate nothing: the table and every run
+//!   body sit behind `ArcSwap`s, everything a writer changes in place is an
+//!   atomic word (hashes, counts, cells, a run's published length), and a
+//!   reader loads a run's length with `Acquire` before the positions below
+//!   it, which the writer filled before publishing that length with
+//!   `Release`. A position below the length never changes hash. Row slots of
+//!   a run are never reused while the run data lives, so a row index a
+//!   reader loaded never points at another replica's cells.
+//! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
+//!   clears and sweeps. In-place writes are cell refreshes, new cells in a
+//!   free row slot and appended positions; adding a row past the row
+//!   capacity, growing a run or dropping rows builds a new body and swaps it
+//!   in; the old one is freed when its last reader lets go. A reader may see
+//!   a run between two writes of one update, which is the same answer as a
+//!   lookup that ran between the two.
+//! - **Per-replica run sets** make ALL_CLEARED cost what the replica held,
+//!   and a run whose last cell goes is freed with its keys at once.
 //!
-//! Concurrency: the key space is split over [`SHARDS`] shards, each a pair of
-//! [`ProbeTable`]s behind a `parking_lot::RwLock`, picked by a hash of the
-//! key independent of the in-table hash. A chain lookup read-locks each shard
-//! it needs once, up front for a window of blocks, touches every block's home
-//! slot, then probes the window with no atomic in between, so the cache misses
-//! of consecutive blocks overlap; ingest takes one write lock per block.
-//! Nothing on the lookup path allocates.
+//! Memory per block: 8 (hash) + 4 (token count) + 8 per holder (cell) + the
+//! key table's 8-byte slot at 7/16–7/8 load, plus a run header shared by the
+//! run's blocks.
 
-use parking_lot::RwLock;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::{ArcSwap, ArcSwapOption, Guard};
+use hashbrown::{HashMap, HashSet};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::catalog::{PartitionId, ReplicaId};
-use crate::table::{ProbeTable, Rehash};
+use crate::table::{KeyTable, Probe};
 
-/// Number of shards (a power of two).
-pub(crate) const SHARDS: usize = 64;
-
-/// One replica's claim on a key: 11 bytes, packed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(C, packed)]
-pub(crate) struct Holder {
-    pub replica: ReplicaId,
-    pub last_seen: u32,
-    pub tier: u8,
-    pub access: u16,
-}
+/// Blocks one run holds at most.
+pub(crate) const RUN_BLOCKS: usize = 64;
+const POS_BITS: u32 = 6;
+/// Runs the store can address.
+const MAX_RUNS: u32 = 1 << (32 - POS_BITS);
+/// Runs per directory chunk, and chunks.
+const RUN_CHUNK: usize = 1 << 12;
+const RUN_DIR: usize = (MAX_RUNS as usize).div_ceil(RUN_CHUNK);
 
 /// A prefix hash as the store sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,9 +73,10 @@ impl<'a> HashRef<'a> {
         }
     }
 
-    fn mixed(self, part: PartitionId) -> u64 {
+    /// The 64-bit word a run stores: the hash itself, or a digest of a wide one.
+    pub fn word(self) -> u64 {
         match self {
-            Self::Narrow(h) => mix(h, part),
+            Self::Narrow(h) => h,
             Self::Wide(bytes) => {
                 let mut acc = 0xcbf2_9ce4_8422_2325u64 ^ bytes.len() as u64;
                 for chunk in bytes.chunks(8) {
@@ -63,9 +84,36 @@ impl<'a> HashRef<'a> {
                     word[..chunk.len()].copy_from_slice(chunk);
                     acc = mix(acc ^ u64::from_le_bytes(word), 0);
                 }
-                mix(acc, part)
+                acc
             }
         }
+    }
+
+    pub fn is_wide(self) -> bool {
+        matches!(self, Self::Wide(_))
+    }
+}
+
+/// A key resolved for the store: its word and table probe.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Key<'a> {
+    pub hash: HashRef<'a>,
+    pub word: u64,
+    probe: Probe,
+}
+
+impl<'a> Key<'a> {
+    pub fn new(part: PartitionId, hash: HashRef<'a>) -> Self {
+        let word = hash.word();
+        Self {
+            hash,
+            word,
+            probe: Probe::of(mix(word, part)),
+        }
+    }
+
+    pub fn of_bytes(part: PartitionId, bytes: &'a [u8]) -> Self {
+        Self::new(part, HashRef::from_bytes(bytes))
     }
 }
 
@@ -75,359 +123,852 @@ fn mix(hash: u64, part: PartitionId) -> u64 {
     (m as u64) ^ ((m >> 64) as u64)
 }
 
-#[derive(Debug)]
-struct NarrowEntry {
-    hash: u64,
-    holders: Box<[Holder]>,
-    part: PartitionId,
-    token_count: u32,
+fn loc(run: u32, pos: usize) -> u32 {
+    (run << POS_BITS) | pos as u32
 }
 
-impl Rehash for NarrowEntry {
-    fn rehash(&self) -> u64 {
-        mix(self.hash, self.part)
-    }
+fn split(loc: u32) -> (u32, usize) {
+    (loc >> POS_BITS, (loc & ((1 << POS_BITS) - 1)) as usize)
 }
 
-#[derive(Debug)]
-struct WideEntry {
-    bytes: Box<[u8]>,
-    holders: Box<[Holder]>,
-    part: PartitionId,
-    token_count: u32,
-}
-
-impl Rehash for WideEntry {
-    fn rehash(&self) -> u64 {
-        HashRef::Wide(&self.bytes).mixed(self.part)
-    }
-}
-
-/// One shard: narrow and wide tables.
-#[derive(Debug, Default)]
-pub(crate) struct Shard {
-    narrow: ProbeTable<NarrowEntry>,
-    wide: ProbeTable<WideEntry>,
-}
-
-/// What an upsert may do besides refreshing an existing hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Admit {
-    /// A new holder (entry) may be added (false at the entry cap).
-    pub new_entries: bool,
-    /// Most holders a key keeps; past it the stalest holder makes room.
-    pub max_holders: usize,
-}
-
-/// What an upsert changed.
+/// One holder's claim on one block: last seen (s), access count, tier (0: not held).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Upserted {
-    pub new_key: bool,
-    pub new_entry: bool,
-    /// The new entry was refused (entry cap).
-    pub refused: bool,
-    /// The holder that made room for the new one (holders-per-key cap).
-    pub displaced: Option<ReplicaId>,
-}
+pub(crate) struct Cell(u64);
 
-/// A key's holders as seen by a reader.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Held<'s> {
-    pub token_count: u32,
-    pub holders: &'s [Holder],
-}
-
-impl Shard {
-    /// Starts loading the home slot of a key (see [`ProbeTable::touch`]).
-    pub fn touch(&self, hash: HashRef<'_>, mixed: u64) -> usize {
-        match hash {
-            HashRef::Narrow(_) => self.narrow.touch(mixed),
-            HashRef::Wide(_) => self.wide.touch(mixed),
-        }
+impl Cell {
+    pub fn new(last_seen: u32, tier: u8, access: u16) -> Self {
+        Self((u64::from(last_seen) << 32) | (u64::from(access) << 8) | u64::from(tier))
     }
 
-    /// The holders of a key, if any.
-    pub fn get(&self, part: PartitionId, hash: HashRef<'_>, mixed: u64) -> Option<Held<'_>> {
-        match hash {
-            HashRef::Narrow(h) => self
-                .narrow
-                .find(mixed, |e| e.hash == h && e.part == part)
-                .map(|e| Held {
-                    token_count: e.token_count,
-                    holders: &e.holders,
-                }),
-            HashRef::Wide(b) => self
-                .wide
-                .find(mixed, |e| e.part == part && *e.bytes == *b)
-                .map(|e| Held {
-                    token_count: e.token_count,
-                    holders: &e.holders,
-                }),
-        }
+    pub fn held(self) -> bool {
+        self.0 & 0xFF != 0
     }
 
-    fn holders_mut(
-        &mut self,
-        part: PartitionId,
-        hash: HashRef<'_>,
-        mixed: u64,
-    ) -> Option<(&mut u32, &mut Box<[Holder]>)> {
-        match hash {
-            HashRef::Narrow(h) => self
-                .narrow
-                .find_mut(mixed, |e| e.hash == h && e.part == part)
-                .map(|e| (&mut e.token_count, &mut e.holders)),
-            HashRef::Wide(b) => self
-                .wide
-                .find_mut(mixed, |e| e.part == part && *e.bytes == *b)
-                .map(|e| (&mut e.token_count, &mut e.holders)),
-        }
+    pub fn last_seen(self) -> u32 {
+        (self.0 >> 32) as u32
     }
 
-    /// Inserts or refreshes `replica`'s hold on a key (tier: last write wins).
-    pub fn upsert(
-        &mut self,
-        part: PartitionId,
-        hash: HashRef<'_>,
-        mixed: u64,
-        token_count: u32,
-        holder: Holder,
-        admit: Admit,
-    ) -> Upserted {
-        if let Some((count, holders)) = self.holders_mut(part, hash, mixed) {
-            *count = token_count;
-            let replica = holder.replica;
-            let at = holders.binary_search_by_key(&replica, |h| h.replica);
-            let at = match at {
-                Ok(i) => {
-                    holders[i].last_seen = holder.last_seen;
-                    holders[i].tier = holder.tier;
-                    return Upserted::default();
-                }
-                Err(i) => i,
-            };
-            if !admit.new_entries {
-                return Upserted {
-                    refused: true,
-                    ..Upserted::default()
-                };
-            }
-            let mut grown = Vec::with_capacity(holders.len() + 1);
-            grown.extend_from_slice(&holders[..at]);
-            grown.push(holder);
-            grown.extend_from_slice(&holders[at..]);
-            let mut displaced = None;
-            if grown.len() > admit.max_holders.max(1) {
-                // The stalest other holder makes room (ties: lowest replica id).
-                let victim = grown
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, h)| h.replica != holder.replica)
-                    .min_by_key(|(_, h)| h.last_seen)
-                    .map(|(i, h)| (i, h.replica));
-                if let Some((i, replica)) = victim {
-                    grown.remove(i);
-                    displaced = Some(replica);
-                }
-            }
-            *holders = grown.into_boxed_slice();
-            return Upserted {
-                new_key: false,
-                new_entry: true,
-                refused: false,
-                displaced,
-            };
-        }
-        if !admit.new_entries {
-            return Upserted {
-                refused: true,
-                ..Upserted::default()
-            };
-        }
-        let holders: Box<[Holder]> = Box::new([holder]);
-        match hash {
-            HashRef::Narrow(h) => {
-                self.narrow.insert_unique(
-                    mixed,
-                    NarrowEntry {
-                        hash: h,
-                        holders,
-                        part,
-                        token_count,
-                    },
-                );
-            }
-            HashRef::Wide(b) => {
-                self.wide.insert_unique(
-                    mixed,
-                    WideEntry {
-                        bytes: b.into(),
-                        holders,
-                        part,
-                        token_count,
-                    },
-                );
-            }
-        }
-        Upserted {
-            new_key: true,
-            new_entry: true,
-            refused: false,
-            displaced: None,
-        }
+    pub fn tier(self) -> u8 {
+        self.0 as u8
     }
 
-    /// Removes `replica` from a key; returns (entry removed, key removed).
-    pub fn remove(
-        &mut self,
-        part: PartitionId,
-        hash: HashRef<'_>,
-        mixed: u64,
-        replica: ReplicaId,
-    ) -> (bool, bool) {
-        let Some((_, holders)) = self.holders_mut(part, hash, mixed) else {
-            return (false, false);
-        };
-        if !holders.iter().any(|h| h.replica == replica) {
-            return (false, false);
-        }
-        if holders.len() > 1 {
-            let kept: Vec<Holder> = holders
-                .iter()
-                .copied()
-                .filter(|h| h.replica != replica)
-                .collect();
-            *holders = kept.into_boxed_slice();
-            return (true, false);
-        }
-        match hash {
-            HashRef::Narrow(h) => {
-                self.narrow.remove(mixed, |e| e.hash == h && e.part == part);
-            }
-            HashRef::Wide(b) => {
-                self.wide
-                    .remove(mixed, |e| e.part == part && *e.bytes == *b);
-            }
-        }
-        (true, true)
-    }
-
-    /// Adds one to `replica`'s access counter on a key (saturating).
-    pub fn credit(&mut self, part: PartitionId, hash: HashRef<'_>, mixed: u64, replica: ReplicaId) {
-        if let Some((_, holders)) = self.holders_mut(part, hash, mixed)
-            && let Some(h) = holders.iter_mut().find(|h| h.replica == replica)
-        {
-            h.access = h.access.saturating_add(1);
-        }
-    }
-
-    /// Visits every holder; `keep` returns false to drop it. `removed(part, Some(replica))`
-    /// is told about every dropped holder and `removed(part, None)` about every dropped key.
-    pub fn retain(
-        &mut self,
-        mut keep: impl FnMut(PartitionId, &Holder) -> bool,
-        mut removed: impl FnMut(PartitionId, Option<ReplicaId>),
-    ) {
-        let mut filter = |part: PartitionId, holders: &mut Box<[Holder]>| -> bool {
-            if holders.iter().all(|h| keep(part, h)) {
-                return true;
-            }
-            let kept: Vec<Holder> = holders.iter().copied().filter(|h| keep(part, h)).collect();
-            let gone = kept.is_empty();
-            for h in holders
-                .iter()
-                .filter(|h| !kept.iter().any(|k| k.replica == h.replica))
-            {
-                removed(part, Some(h.replica));
-            }
-            *holders = kept.into_boxed_slice();
-            !gone
-        };
-        let mut emptied = Vec::new();
-        self.narrow.retain(|e| {
-            let alive = filter(e.part, &mut e.holders);
-            if !alive {
-                emptied.push(e.part);
-            }
-            alive
-        });
-        self.wide.retain(|e| {
-            let alive = filter(e.part, &mut e.holders);
-            if !alive {
-                emptied.push(e.part);
-            }
-            alive
-        });
-        for part in emptied {
-            removed(part, None);
-        }
-    }
-
-    /// Visits every (partition, key id, holder) for victim selection.
-    pub fn for_each(&self, mut visit: impl FnMut(PartitionId, KeyId, &Holder)) {
-        for e in self.narrow.iter() {
-            for h in e.holders.iter() {
-                visit(e.part, KeyId::Narrow(e.hash), h);
-            }
-        }
-        for e in self.wide.iter() {
-            for h in e.holders.iter() {
-                visit(e.part, KeyId::Wide(e.bytes.clone()), h);
-            }
-        }
+    pub fn access(self) -> u16 {
+        (self.0 >> 8) as u16
     }
 }
 
-/// An owned key, for deferred removal.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum KeyId {
-    Narrow(u64),
-    Wide(Box<[u8]>),
-}
+/// Full bytes of a wide run's hashes, set once per position.
+type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
+/// One chunk of the run directory.
+type RunChunk = Box<[ArcSwapOption<Body>]>;
 
-impl KeyId {
-    pub fn as_ref(&self) -> HashRef<'_> {
-        match self {
-            Self::Narrow(h) => HashRef::Narrow(*h),
-            Self::Wide(b) => HashRef::Wide(b),
-        }
-    }
-}
-
-/// All shards.
+/// The arrays of a run, changed in place by the writer.
 #[derive(Debug)]
+struct RunData {
+    /// Published positions.
+    len: AtomicU32,
+    cap: usize,
+    row_cap: usize,
+    /// Row slots handed out so far (writer only).
+    used_rows: AtomicU32,
+    hashes: Box<[AtomicU64]>,
+    counts: Box<[AtomicU32]>,
+    wide: Option<WideBytes>,
+    /// `row_cap × cap`, row slot major.
+    cells: Box<[AtomicU64]>,
+}
+
+impl RunData {
+    fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
+        let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
+        Self {
+            len: AtomicU32::new(0),
+            cap,
+            row_cap,
+            used_rows: AtomicU32::new(0),
+            hashes: words(cap),
+            counts: (0..cap).map(|_| AtomicU32::new(0)).collect(),
+            wide: wide.then(|| (0..cap).map(|_| OnceLock::new()).collect()),
+            cells: words(row_cap * cap),
+        }
+    }
+}
+
+/// One row: a replica and the slot of its cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Row {
+    replica: ReplicaId,
+    slot: u32,
+}
+
+/// What a reader sees of a run: partition, rows (sorted by replica) and data.
+#[derive(Debug)]
+pub(crate) struct Body {
+    pub part: PartitionId,
+    rows: Box<[Row]>,
+    data: Arc<RunData>,
+}
+
+impl Body {
+    /// Published positions.
+    pub fn len(&self) -> usize {
+        self.data.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Whether position `pos` (below [`len`](Self::len)) holds `key`.
+    pub fn holds_key(&self, pos: usize, key: &Key<'_>) -> bool {
+        self.holds(pos, key.hash, key.word)
+    }
+
+    /// Whether position `pos` holds `hash`, whose [`HashRef::word`] is `word`.
+    pub fn holds(&self, pos: usize, hash: HashRef<'_>, word: u64) -> bool {
+        if self.data.hashes[pos].load(Ordering::Relaxed) != word {
+            return false;
+        }
+        match (&self.data.wide, hash) {
+            (None, HashRef::Narrow(_)) => true,
+            (Some(wide), HashRef::Wide(bytes)) => wide[pos].get().is_some_and(|b| **b == *bytes),
+            _ => false,
+        }
+    }
+
+    /// Stored token count of a position.
+    pub fn count(&self, pos: usize) -> u32 {
+        self.data.counts[pos].load(Ordering::Relaxed)
+    }
+
+    /// Replicas with cells in the run, ascending.
+    pub fn replicas(&self) -> impl ExactSizeIterator<Item = ReplicaId> + '_ {
+        self.rows.iter().map(|r| r.replica)
+    }
+
+    /// Number of rows.
+    pub fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Row index of `replica`, searching from row `from` on.
+    pub fn row_from(&self, replica: ReplicaId, from: usize) -> Option<usize> {
+        let rest = self.rows.get(from..)?;
+        rest.binary_search_by_key(&replica, |r| r.replica)
+            .ok()
+            .map(|i| from + i)
+    }
+
+    pub fn row(&self, replica: ReplicaId) -> Option<usize> {
+        self.row_from(replica, 0)
+    }
+
+    pub fn replica(&self, row: usize) -> ReplicaId {
+        self.rows[row].replica
+    }
+
+    fn cell_at(&self, row: usize, pos: usize) -> &AtomicU64 {
+        &self.data.cells[self.rows[row].slot as usize * self.data.cap + pos]
+    }
+
+    pub fn cell(&self, row: usize, pos: usize) -> Cell {
+        Cell(self.cell_at(row, pos).load(Ordering::Relaxed))
+    }
+
+    /// Cells of row `row` from `pos` on (up to the published length).
+    pub fn cells(&self, row: usize, pos: usize, len: usize) -> impl Iterator<Item = Cell> + '_ {
+        let base = self.rows[row].slot as usize * self.data.cap;
+        self.data.cells[base + pos..base + len]
+            .iter()
+            .map(|c| Cell(c.load(Ordering::Relaxed)))
+    }
+
+    /// Adds one to a cell's access count (saturating); lock-free, so a
+    /// credit racing a writer that rebuilds the run may be lost.
+    pub fn credit(&self, row: usize, pos: usize) {
+        let _ = self
+            .cell_at(row, pos)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                let cell = Cell(c);
+                (cell.held() && cell.access() < u16::MAX)
+                    .then(|| Cell::new(cell.last_seen(), cell.tier(), cell.access() + 1).0)
+            });
+    }
+
+    fn set(&self, row: usize, pos: usize, cell: Cell) {
+        self.cell_at(row, pos).store(cell.0, Ordering::Relaxed);
+    }
+
+    /// Rows holding position `pos`.
+    fn holders_at(&self, pos: usize) -> usize {
+        (0..self.rows.len())
+            .filter(|&r| self.cell(r, pos).held())
+            .count()
+    }
+
+    fn row_live(&self, row: usize) -> usize {
+        let len = self.len();
+        self.cells(row, 0, len).filter(|c| c.held()).count()
+    }
+
+    fn is_wide(&self) -> bool {
+        self.data.wide.is_some()
+    }
+
+    /// The probe of position `pos`.
+    fn probe(&self, pos: usize) -> Probe {
+        Probe::of(mix(
+            self.data.hashes[pos].load(Ordering::Relaxed),
+            self.part,
+        ))
+    }
+}
+
+/// Run id → current body; chunks are created once and never move.
+struct RunDir {
+    chunks: Box<[OnceLock<RunChunk>]>,
+}
+
+impl RunDir {
+    fn new() -> Self {
+        Self {
+            chunks: (0..RUN_DIR).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn get(&self, run: u32) -> Option<&ArcSwapOption<Body>> {
+        let chunk = self.chunks.get(run as usize / RUN_CHUNK)?.get()?;
+        chunk.get(run as usize % RUN_CHUNK)
+    }
+
+    fn slot(&self, run: u32) -> &ArcSwapOption<Body> {
+        let chunk = self.chunks[run as usize / RUN_CHUNK]
+            .get_or_init(|| (0..RUN_CHUNK).map(|_| ArcSwapOption::empty()).collect());
+        &chunk[run as usize % RUN_CHUNK]
+    }
+}
+
+/// Writer-side state.
+#[derive(Default)]
+pub(crate) struct Writer {
+    table: Arc<KeyTable>,
+    /// Mirror of the published bodies, by run id.
+    bodies: Vec<Option<Arc<Body>>>,
+    /// Held cells per run.
+    live: Vec<u32>,
+    free: Vec<u32>,
+    by_replica: HashMap<ReplicaId, HashSet<u32>>,
+    /// Held cells in the store.
+    entries: u64,
+}
+
+/// The store.
 pub(crate) struct Store {
-    shards: Box<[RwLock<Shard>]>,
+    table: ArcSwap<KeyTable>,
+    runs: RunDir,
+    writer: Mutex<Writer>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").finish_non_exhaustive()
+    }
 }
 
 impl Default for Store {
     fn default() -> Self {
+        let table = Arc::new(KeyTable::default());
         Self {
-            shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
+            table: ArcSwap::new(table.clone()),
+            runs: RunDir::new(),
+            writer: Mutex::new(Writer {
+                table,
+                ..Writer::default()
+            }),
         }
     }
 }
 
-/// Where a key lives: its shard and its in-table hash.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Slot {
-    pub shard: usize,
-    pub mixed: u64,
+/// A reader's view: the key table of the moment and the run directory.
+pub(crate) struct Reader<'s> {
+    table: Guard<Arc<KeyTable>>,
+    runs: &'s RunDir,
+}
+
+/// A run body a reader holds.
+pub(crate) type BodyGuard = Guard<Option<Arc<Body>>>;
+
+impl Reader<'_> {
+    /// The body and position holding `key` in `part`.
+    pub fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(BodyGuard, usize)> {
+        let mut found = None;
+        self.table.find(key.probe, |loc| {
+            let (run, pos) = split(loc);
+            let Some(slot) = self.runs.get(run) else {
+                return false;
+            };
+            let body = slot.load();
+            let ok = body
+                .as_ref()
+                .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key));
+            if ok {
+                found = Some((body, pos));
+            }
+            ok
+        })?;
+        found
+    }
+}
+
+/// A new claim: replica, time and tier.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claim {
+    pub replica: ReplicaId,
+    pub last_seen: u32,
+    pub tier: u8,
+}
+
+/// What an ingest may add and what it did.
+#[derive(Debug, Default)]
+pub(crate) struct Holding {
+    /// New entries that may still be added (global cap and tenant quota).
+    pub room: i64,
+    /// Most holders a key keeps; past it the stalest holder makes room.
+    pub max_holders: usize,
+    pub written: u64,
+    pub added: i64,
+    pub new_keys: i64,
+    pub refused: u64,
+    /// Holders that made room (holders-per-key bound).
+    pub displaced: Vec<ReplicaId>,
+}
+
+/// What a removal took away: entries per replica and keys, per partition.
+pub(crate) trait Removed {
+    fn entry(&mut self, part: PartitionId, replica: ReplicaId);
+    fn key(&mut self, part: PartitionId);
+}
+
+/// Exclusive access for changes.
+pub(crate) struct Writing<'s> {
+    store: &'s Store,
+    w: MutexGuard<'s, Writer>,
 }
 
 impl Store {
-    pub fn slot(part: PartitionId, hash: HashRef<'_>) -> Slot {
-        let mixed = hash.mixed(part);
-        let shard = (mixed.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 58) as usize & (SHARDS - 1);
-        Slot { shard, mixed }
+    /// A lock-free reader.
+    pub fn reader(&self) -> Reader<'_> {
+        Reader {
+            table: self.table.load(),
+            runs: &self.runs,
+        }
     }
 
-    pub fn shard(&self, index: usize) -> &RwLock<Shard> {
-        &self.shards[index]
+    /// The writer (blocks other writers, never readers).
+    pub fn write(&self) -> Writing<'_> {
+        Writing {
+            store: self,
+            w: self.writer.lock(),
+        }
+    }
+}
+
+impl Writing<'_> {
+    fn body(&self, run: u32) -> Option<&Arc<Body>> {
+        self.w.bodies.get(run as usize)?.as_ref()
     }
 
-    pub fn shards(&self) -> &[RwLock<Shard>] {
-        &self.shards
+    /// Held cells in the store.
+    pub fn entries(&self) -> u64 {
+        self.w.entries
+    }
+
+    /// Run id bound, for sweeps.
+    pub fn run_bound(&self) -> u32 {
+        self.w.bodies.len() as u32
+    }
+
+    /// Keys in the table, run bodies and bytes held by the table.
+    #[cfg(test)]
+    pub fn shape(&self) -> (usize, usize, usize) {
+        let runs = self.w.bodies.iter().filter(|b| b.is_some()).count();
+        (self.w.table.len(), runs, self.w.table.bytes())
+    }
+
+    /// Runs `replica` has a row in.
+    #[cfg(test)]
+    pub fn runs_of(&self, replica: ReplicaId) -> usize {
+        self.w.by_replica.get(&replica).map_or(0, HashSet::len)
+    }
+
+    fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(u32, usize)> {
+        let loc = self.w.table.find(key.probe, |loc| {
+            let (run, pos) = split(loc);
+            self.body(run)
+                .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
+        })?;
+        Some(split(loc))
+    }
+
+    fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
+        let body = Arc::new(body);
+        self.store.runs.slot(run).store(Some(body.clone()));
+        self.w.bodies[run as usize] = Some(body.clone());
+        body
+    }
+
+    fn insert_key(&mut self, probe: Probe, at: u32) {
+        if self.w.table.full() {
+            let next = {
+                let bodies = &self.w.bodies;
+                self.w.table.rebuilt(0, |l| {
+                    let (run, pos) = split(l);
+                    let body = bodies.get(run as usize)?.as_ref()?;
+                    Some(mix(
+                        body.data.hashes[pos].load(Ordering::Relaxed),
+                        body.part,
+                    ))
+                })
+            };
+            self.swap_table(next);
+        }
+        self.w.table.insert(probe, at);
+    }
+
+    fn swap_table(&mut self, next: KeyTable) {
+        let next = Arc::new(next);
+        self.store.table.store(next.clone());
+        self.w.table = next;
+    }
+
+    /// Shrinks the key table if removals left it mostly empty.
+    pub fn compact_table(&mut self) {
+        if !self.w.table.sparse() {
+            return;
+        }
+        let next = {
+            let bodies = &self.w.bodies;
+            self.w.table.rebuilt(0, |l| {
+                let (run, pos) = split(l);
+                let body = bodies.get(run as usize)?.as_ref()?;
+                Some(mix(
+                    body.data.hashes[pos].load(Ordering::Relaxed),
+                    body.part,
+                ))
+            })
+        };
+        self.swap_table(next);
+    }
+
+    fn new_run_id(&mut self) -> Option<u32> {
+        if let Some(id) = self.w.free.pop() {
+            return Some(id);
+        }
+        let id = u32::try_from(self.w.bodies.len()).ok()?;
+        if id >= MAX_RUNS {
+            return None;
+        }
+        self.w.bodies.push(None);
+        self.w.live.push(0);
+        Some(id)
+    }
+
+    /// Records that `replica` claims `keys` (in report order) in `part`.
+    pub fn hold(
+        &mut self,
+        part: PartitionId,
+        keys: &[(Key<'_>, u32)],
+        claim: Claim,
+        h: &mut Holding,
+    ) {
+        let mut prev: Option<(u32, usize)> = None;
+        for (i, (key, count)) in keys.iter().enumerate() {
+            let next = prev
+                .and_then(|(run, pos)| {
+                    let body = self.body(run)?;
+                    (pos + 1 < body.len() && body.holds_key(pos + 1, key)).then_some((run, pos + 1))
+                })
+                .or_else(|| self.locate(part, key));
+            prev = match next {
+                Some((run, pos)) => {
+                    self.claim_at(run, pos, *count, claim, h);
+                    Some((run, pos))
+                }
+                None if h.room <= 0 => {
+                    h.refused += 1;
+                    None
+                }
+                None => self.add_block(part, prev, (key, *count), claim, keys.len() - i, h),
+            };
+        }
+    }
+
+    fn claim_at(&mut self, run: u32, pos: usize, count: u32, claim: Claim, h: &mut Holding) {
+        let Some(body) = self.body(run).cloned() else {
+            return;
+        };
+        body.data.counts[pos].store(count, Ordering::Relaxed);
+        if let Some(row) = body.row(claim.replica) {
+            let old = body.cell(row, pos);
+            if old.held() {
+                body.set(
+                    row,
+                    pos,
+                    Cell::new(claim.last_seen, claim.tier, old.access()),
+                );
+                h.written += 1;
+                return;
+            }
+        }
+        if h.room <= 0 {
+            h.refused += 1;
+            return;
+        }
+        let holders = body.holders_at(pos);
+        let mut displaced = false;
+        if holders >= h.max_holders.max(1) {
+            // The stalest other holder makes room (ties: lowest replica id).
+            let victim = (0..body.row_count())
+                .filter(|&r| body.replica(r) != claim.replica && body.cell(r, pos).held())
+                .min_by_key(|&r| body.cell(r, pos).last_seen());
+            if let Some(r) = victim {
+                body.set(r, pos, Cell::default());
+                self.w.live[run as usize] -= 1;
+                self.w.entries -= 1;
+                h.displaced.push(body.replica(r));
+                displaced = true;
+            }
+        }
+        if holders == 0 {
+            h.new_keys += 1;
+        }
+        let Some((body, row)) = self.ensure_row(run, claim.replica) else {
+            return;
+        };
+        body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
+        self.w.live[run as usize] += 1;
+        self.w.entries += 1;
+        h.written += 1;
+        h.added += 1;
+        if !displaced {
+            h.room -= 1;
+        }
+        if let Some(&victim) = h.displaced.last().filter(|_| displaced) {
+            self.drop_empty_rows(run, Some(victim));
+        }
+    }
+
+    /// The body of `run` with a row for `replica`, adding one if needed.
+    fn ensure_row(&mut self, run: u32, replica: ReplicaId) -> Option<(Arc<Body>, usize)> {
+        let body = self.body(run).cloned()?;
+        if let Some(row) = body.row(replica) {
+            return Some((body, row));
+        }
+        let data = &body.data;
+        let used = data.used_rows.load(Ordering::Relaxed) as usize;
+        let next = if used < data.row_cap {
+            data.used_rows.store(used as u32 + 1, Ordering::Relaxed);
+            let mut rows: Vec<Row> = body.rows.to_vec();
+            let at = rows.partition_point(|r| r.replica < replica);
+            rows.insert(
+                at,
+                Row {
+                    replica,
+                    slot: used as u32,
+                },
+            );
+            Body {
+                part: body.part,
+                rows: rows.into_boxed_slice(),
+                data: body.data.clone(),
+            }
+        } else {
+            rebuilt(&body, data.cap, Some(replica))
+        };
+        self.w.by_replica.entry(replica).or_default().insert(run);
+        let body = self.publish(run, next);
+        let row = body.row(replica)?;
+        Some((body, row))
+    }
+
+    fn add_block(
+        &mut self,
+        part: PartitionId,
+        prev: Option<(u32, usize)>,
+        (key, count): (&Key<'_>, u32),
+        claim: Claim,
+        remaining: usize,
+        h: &mut Holding,
+    ) -> Option<(u32, usize)> {
+        // Append to the run of the previous block when that block ends it.
+        let tail = prev.filter(|&(run, pos)| {
+            self.body(run).is_some_and(|b| {
+                pos + 1 == b.len() && pos + 1 < RUN_BLOCKS && b.is_wide() == key.hash.is_wide()
+            })
+        });
+        let (run, pos) = match tail {
+            Some((run, pos)) => {
+                let body = self.body(run).cloned()?;
+                if pos + 1 == body.data.cap {
+                    let cap = (body.data.cap * 2).clamp(pos + 2, RUN_BLOCKS);
+                    self.publish(run, rebuilt(&body, cap, None));
+                }
+                (run, pos + 1)
+            }
+            None => {
+                let Some(run) = self.new_run_id() else {
+                    h.refused += 1;
+                    return None;
+                };
+                let cap = remaining.clamp(1, RUN_BLOCKS);
+                let body = Body {
+                    part,
+                    rows: Box::new([]),
+                    data: Arc::new(RunData::new(cap, 1, key.hash.is_wide())),
+                };
+                self.publish(run, body);
+                (run, 0)
+            }
+        };
+        let (body, row) = self.ensure_row(run, claim.replica)?;
+        let data = &body.data;
+        data.hashes[pos].store(key.word, Ordering::Relaxed);
+        data.counts[pos].store(count, Ordering::Relaxed);
+        if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
+            let _ = wide[pos].set(bytes.into());
+        }
+        body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
+        data.len.store(pos as u32 + 1, Ordering::Release);
+        self.insert_key(key.probe, loc(run, pos));
+        self.w.live[run as usize] += 1;
+        self.w.entries += 1;
+        h.room -= 1;
+        h.written += 1;
+        h.added += 1;
+        h.new_keys += 1;
+        Some((run, pos))
+    }
+
+    /// Removes `replica`'s claim on a key; returns (entry removed, key removed).
+    pub fn release(
+        &mut self,
+        part: PartitionId,
+        key: &Key<'_>,
+        replica: ReplicaId,
+    ) -> (bool, bool) {
+        let Some((run, pos)) = self.locate(part, key) else {
+            return (false, false);
+        };
+        let Some(body) = self.body(run).cloned() else {
+            return (false, false);
+        };
+        let Some(row) = body.row(replica) else {
+            return (false, false);
+        };
+        if !body.cell(row, pos).held() {
+            return (false, false);
+        }
+        body.set(row, pos, Cell::default());
+        self.w.live[run as usize] -= 1;
+        self.w.entries -= 1;
+        let key_gone = body.holders_at(pos) == 0;
+        self.drop_empty_rows(run, Some(replica));
+        (true, key_gone)
+    }
+
+    /// Drops every cell of `replica` in the partitions `wanted` accepts.
+    pub fn clear(
+        &mut self,
+        replica: ReplicaId,
+        wanted: impl Fn(PartitionId) -> bool,
+        removed: &mut impl Removed,
+    ) {
+        let Some(runs) = self.w.by_replica.get(&replica) else {
+            return;
+        };
+        let runs: Vec<u32> = runs.iter().copied().collect();
+        for run in runs {
+            let Some(body) = self.body(run).cloned() else {
+                continue;
+            };
+            if !wanted(body.part) {
+                continue;
+            }
+            let Some(row) = body.row(replica) else {
+                continue;
+            };
+            let len = body.len();
+            for pos in 0..len {
+                if !body.cell(row, pos).held() {
+                    continue;
+                }
+                body.set(row, pos, Cell::default());
+                self.w.live[run as usize] -= 1;
+                self.w.entries -= 1;
+                removed.entry(body.part, replica);
+                if body.holders_at(pos) == 0 {
+                    removed.key(body.part);
+                }
+            }
+            self.drop_empty_rows(run, Some(replica));
+        }
+    }
+
+    /// Visits every cell of a run: `keep` returns false to clear it.
+    pub fn retain(
+        &mut self,
+        run: u32,
+        mut keep: impl FnMut(PartitionId, ReplicaId, Cell) -> bool,
+        removed: &mut impl Removed,
+    ) {
+        let Some(body) = self.body(run).cloned() else {
+            return;
+        };
+        let len = body.len();
+        let mut changed = false;
+        for pos in 0..len {
+            let mut cleared = false;
+            for row in 0..body.row_count() {
+                let cell = body.cell(row, pos);
+                if cell.held() && !keep(body.part, body.replica(row), cell) {
+                    body.set(row, pos, Cell::default());
+                    self.w.live[run as usize] -= 1;
+                    self.w.entries -= 1;
+                    removed.entry(body.part, body.replica(row));
+                    cleared = true;
+                }
+            }
+            if cleared && body.holders_at(pos) == 0 {
+                removed.key(body.part);
+            }
+            changed |= cleared;
+        }
+        if changed {
+            self.drop_empty_rows(run, None);
+        }
+    }
+
+    /// Visits every held cell of a run.
+    pub fn for_each(&self, run: u32, mut visit: impl FnMut(PartitionId, ReplicaId, Cell)) {
+        let Some(body) = self.body(run) else {
+            return;
+        };
+        let len = body.len();
+        for row in 0..body.row_count() {
+            for cell in body.cells(row, 0, len).filter(|c| c.held()) {
+                visit(body.part, body.replica(row), cell);
+            }
+        }
+    }
+
+    /// Drops rows without a held cell (only `replica`'s when given); frees
+    /// the run when none is left.
+    fn drop_empty_rows(&mut self, run: u32, replica: Option<ReplicaId>) {
+        let Some(body) = self.body(run).cloned() else {
+            return;
+        };
+        if self.w.live[run as usize] == 0 {
+            self.free_run(run, &body);
+            return;
+        }
+        let rows = match replica {
+            Some(r) => body.row(r).map_or(0..0, |row| row..row + 1),
+            None => 0..body.row_count(),
+        };
+        let empty: Vec<ReplicaId> = rows
+            .filter(|&r| body.row_live(r) == 0)
+            .map(|r| body.replica(r))
+            .collect();
+        if empty.is_empty() {
+            return;
+        }
+        for replica in &empty {
+            self.forget(*replica, run);
+        }
+        let rows: Vec<Row> = body
+            .rows
+            .iter()
+            .copied()
+            .filter(|r| !empty.contains(&r.replica))
+            .collect();
+        let data = &body.data;
+        // Dead slots are never reused in place (a reader may still hold an
+        // index naming them); rebuild when most row slots are dead.
+        let next = if rows.len() * 2 < data.used_rows.load(Ordering::Relaxed) as usize {
+            let trimmed = Body {
+                part: body.part,
+                rows: rows.into_boxed_slice(),
+                data: body.data.clone(),
+            };
+            rebuilt(&trimmed, data.cap, None)
+        } else {
+            Body {
+                part: body.part,
+                rows: rows.into_boxed_slice(),
+                data: body.data.clone(),
+            }
+        };
+        self.publish(run, next);
+    }
+
+    fn forget(&mut self, replica: ReplicaId, run: u32) {
+        if let Some(set) = self.w.by_replica.get_mut(&replica) {
+            set.remove(&run);
+            if set.is_empty() {
+                self.w.by_replica.remove(&replica);
+            }
+        }
+    }
+
+    fn free_run(&mut self, run: u32, body: &Arc<Body>) {
+        let len = body.len();
+        for pos in 0..len {
+            self.w.table.remove(body.probe(pos), loc(run, pos));
+        }
+        for replica in body.replicas().collect::<Vec<_>>() {
+            self.forget(replica, run);
+        }
+        self.store.runs.slot(run).store(None);
+        self.w.bodies[run as usize] = None;
+        self.w.free.push(run);
+    }
+}
+
+/// A copy of `body` with `cap` block capacity, its live rows packed into
+/// fresh slots and a row for `add` if given.
+fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
+    let old = &body.data;
+    let mut rows: Vec<Row> = body.rows.to_vec();
+    if let Some(replica) = add {
+        let at = rows.partition_point(|r| r.replica < replica);
+        rows.insert(at, Row { replica, slot: 0 });
+    }
+    let row_cap = (rows.len() * 2).max(1);
+    let data = RunData::new(cap, row_cap, old.wide.is_some());
+    let len = body.len();
+    for pos in 0..len {
+        data.hashes[pos].store(old.hashes[pos].load(Ordering::Relaxed), Ordering::Relaxed);
+        data.counts[pos].store(old.counts[pos].load(Ordering::Relaxed), Ordering::Relaxed);
+        if let (Some(from), Some(to)) = (&old.wide, &data.wide)
+            && let Some(bytes) = from[pos].get()
+        {
+            let _ = to[pos].set(bytes.clone());
+        }
+    }
+    for (slot, row) in rows.iter_mut().enumerate() {
+        let from = body.row(row.replica).map(|r| body.rows[r].slot as usize);
+        row.slot = slot as u32;
+        if let Some(from) = from {
+            for pos in 0..len {
+                data.cells[slot * cap + pos].store(
+                    old.cells[from * old.cap + pos].load(Ordering::Relaxed),
+                    Ordering::Relaxed,
+                );
+            }
+        }
+    }
+    data.used_rows.store(rows.len() as u32, Ordering::Relaxed);
+    data.len.store(len as u32, Ordering::Relaxed);
+    Body {
+        part: body.part,
+        rows: rows.into_boxed_slice(),
+        data: Arc::new(data),
     }
 }
 
@@ -435,138 +976,174 @@ impl Store {
 mod tests {
     use super::*;
 
-    #[test]
-    fn layout_is_compact() {
-        assert_eq!(std::mem::size_of::<Holder>(), 11);
-        assert_eq!(std::mem::size_of::<NarrowEntry>(), 32);
-        assert_eq!(std::mem::size_of::<Option<NarrowEntry>>(), 32);
+    struct Count(Vec<(PartitionId, Option<ReplicaId>)>);
+
+    impl Removed for Count {
+        fn entry(&mut self, part: PartitionId, replica: ReplicaId) {
+            self.0.push((part, Some(replica)));
+        }
+        fn key(&mut self, part: PartitionId) {
+            self.0.push((part, None));
+        }
     }
 
-    const OPEN: Admit = Admit {
-        new_entries: true,
-        max_holders: usize::MAX,
-    };
-
-    #[test]
-    fn upsert_refresh_and_remove() {
-        let mut shard = Shard::default();
-        let h = HashRef::Narrow(42);
-        let s = Store::slot(1, h);
-        let holder = |replica, last_seen, tier| Holder {
-            replica,
-            last_seen,
-            tier,
-            access: 0,
-        };
-        assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(0, 10, 1), OPEN),
-            Upserted {
-                new_key: true,
-                new_entry: true,
-                ..Upserted::default()
-            }
-        );
-        assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(1, 11, 1), OPEN),
-            Upserted {
-                new_key: false,
-                new_entry: true,
-                ..Upserted::default()
-            }
-        );
-        assert_eq!(
-            shard.upsert(1, h, s.mixed, 16, holder(0, 12, 2), OPEN),
-            Upserted::default()
-        );
-        let held = shard.get(1, h, s.mixed).expect("present");
-        assert_eq!(held.holders.len(), 2);
-        let first = held.holders[0];
-        assert_eq!({ first.last_seen }, 12);
-        assert_eq!({ first.tier }, 2);
-        assert!(shard.get(2, h, Store::slot(2, h).mixed).is_none());
-        assert_eq!(shard.remove(1, h, s.mixed, 0), (true, false));
-        assert_eq!(shard.remove(1, h, s.mixed, 0), (false, false));
-        assert_eq!(shard.remove(1, h, s.mixed, 1), (true, true));
-        assert!(shard.get(1, h, s.mixed).is_none());
+    fn holding(room: i64) -> Holding {
+        Holding {
+            room,
+            max_holders: usize::MAX,
+            ..Holding::default()
+        }
     }
 
-    #[test]
-    fn holders_stay_sorted_capped_and_refusable() {
-        let mut shard = Shard::default();
-        let h = HashRef::Narrow(7);
-        let s = Store::slot(0, h);
-        let admit = Admit {
-            new_entries: true,
-            max_holders: 3,
-        };
-        let hold = |replica, last_seen| Holder {
+    fn claim(replica: ReplicaId, last_seen: u32) -> Claim {
+        Claim {
             replica,
             last_seen,
             tier: 1,
-            access: 0,
-        };
-        for (r, seen) in [(5, 10), (2, 11), (9, 12)] {
-            assert!(
-                shard
-                    .upsert(0, h, s.mixed, 16, hold(r, seen), admit)
-                    .new_entry
-            );
         }
-        let order = |shard: &Shard| -> Vec<u32> {
-            shard
-                .get(0, h, s.mixed)
-                .map(|held| held.holders.iter().map(|x| x.replica).collect())
-                .unwrap_or_default()
-        };
-        assert_eq!(order(&shard), vec![2, 5, 9]);
-        // A fourth holder displaces the stalest (replica 5, seen at 10).
-        let up = shard.upsert(0, h, s.mixed, 16, hold(1, 13), admit);
-        assert_eq!((up.new_entry, up.displaced), (true, Some(5)));
-        assert_eq!(order(&shard), vec![1, 2, 9]);
-        // At the entry cap a new holder is refused, a refresh is not.
-        let closed = Admit {
-            new_entries: false,
-            ..admit
-        };
-        assert!(shard.upsert(0, h, s.mixed, 16, hold(4, 14), closed).refused);
+    }
+
+    fn keys(part: PartitionId, range: std::ops::Range<u64>) -> Vec<(Key<'static>, u32)> {
+        range
+            .map(|h| (Key::new(part, HashRef::Narrow(h)), 16))
+            .collect()
+    }
+
+    /// Held cells of `replica` along `range` as a reader sees them.
+    fn held(
+        store: &Store,
+        part: PartitionId,
+        range: std::ops::Range<u64>,
+        replica: ReplicaId,
+    ) -> Vec<bool> {
+        let reader = store.reader();
+        range
+            .map(|h| {
+                let key = Key::new(part, HashRef::Narrow(h));
+                reader.locate(part, &key).is_some_and(|(body, pos)| {
+                    let body = body.as_ref().expect("located body");
+                    body.row(replica).is_some_and(|r| body.cell(r, pos).held())
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn layout_is_compact() {
+        assert_eq!(std::mem::size_of::<Cell>(), 8);
+        let c = Cell::new(0x1234_5678, 3, 9);
         assert_eq!(
-            shard.upsert(0, h, s.mixed, 16, hold(9, 14), closed),
-            Upserted::default()
+            (c.last_seen(), c.tier(), c.access(), c.held()),
+            (0x1234_5678, 3, 9, true)
         );
-        let other = HashRef::Narrow(8);
-        let up = shard.upsert(
-            0,
-            other,
-            Store::slot(0, other).mixed,
-            16,
-            hold(4, 14),
-            closed,
+        assert!(!Cell::default().held());
+    }
+
+    #[test]
+    fn chains_share_runs_and_holes_are_exact() {
+        let store = Store::default();
+        let mut w = store.write();
+        let mut h = holding(1000);
+        w.hold(1, &keys(1, 0..10), claim(7, 100), &mut h);
+        assert_eq!((h.added, h.new_keys, h.written), (10, 10, 10));
+        assert_eq!(w.shape().1, 1, "one report, one run");
+        // A second holder of the head and a divergent tail.
+        let mut h = holding(1000);
+        let mut other = keys(1, 0..4);
+        other.extend(keys(1, 100..104));
+        w.hold(1, &other, claim(3, 101), &mut h);
+        assert_eq!((h.added, h.new_keys), (8, 4));
+        assert_eq!(w.shape(), (14, 2, w.shape().2));
+        // A refresh adds nothing.
+        let mut h = holding(0);
+        w.hold(1, &keys(1, 0..10), claim(7, 102), &mut h);
+        assert_eq!((h.added, h.refused, h.written), (0, 0, 10));
+        // A hole in the middle.
+        assert_eq!(
+            w.release(1, &Key::new(1, HashRef::Narrow(5)), 7),
+            (true, true)
         );
-        assert!(up.refused && !up.new_key);
-        assert_eq!(order(&shard), vec![1, 2, 9]);
+        assert_eq!(
+            w.release(1, &Key::new(1, HashRef::Narrow(5)), 7),
+            (false, false)
+        );
+        assert_eq!(w.entries(), 17);
+        drop(w);
+        let mut expect = vec![true; 10];
+        expect[5] = false;
+        assert_eq!(held(&store, 1, 0..10, 7), expect);
+        assert_eq!(
+            held(&store, 1, 0..10, 3)[..5],
+            [true, true, true, true, false]
+        );
+        assert_eq!(
+            held(&store, 2, 0..10, 7),
+            vec![false; 10],
+            "partitions are apart"
+        );
+    }
+
+    #[test]
+    fn room_cap_and_displacement() {
+        let store = Store::default();
+        let mut w = store.write();
+        let mut h = holding(3);
+        w.hold(0, &keys(0, 0..5), claim(1, 10), &mut h);
+        assert_eq!((h.added, h.refused), (3, 2));
+        let mut h = Holding {
+            room: 10,
+            max_holders: 2,
+            ..Holding::default()
+        };
+        w.hold(0, &keys(0, 0..1), claim(2, 11), &mut h);
+        w.hold(0, &keys(0, 0..1), claim(3, 12), &mut h);
+        assert_eq!(h.displaced, vec![1], "the stalest holder made room");
+        drop(w);
+        assert_eq!(held(&store, 0, 0..1, 1), [false]);
+        assert_eq!(held(&store, 0, 0..1, 3), [true]);
+    }
+
+    #[test]
+    fn clear_frees_runs_and_keys() {
+        let store = Store::default();
+        let mut w = store.write();
+        let mut h = holding(1000);
+        for r in 0..3 {
+            w.hold(0, &keys(0, 0..70), claim(r, 5), &mut h);
+        }
+        w.hold(0, &keys(0, 500..501), claim(9, 5), &mut h);
+        assert_eq!(w.entries(), 211);
+        let mut count = Count(Vec::new());
+        w.clear(1, |_| true, &mut count);
+        assert_eq!(count.0.len(), 70);
+        assert_eq!(w.runs_of(1), 0);
+        w.clear(0, |_| true, &mut count);
+        w.clear(2, |_| true, &mut count);
+        assert_eq!(count.0.iter().filter(|(_, r)| r.is_none()).count(), 70);
+        assert_eq!(w.shape().0, 1, "only the other replica's key is left");
+        assert_eq!(w.shape().1, 1);
+        drop(w);
+        assert_eq!(held(&store, 0, 500..501, 9), [true]);
     }
 
     #[test]
     fn wide_keys_work() {
-        let mut shard = Shard::default();
+        let store = Store::default();
         let bytes = [7u8; 16];
-        let h = HashRef::from_bytes(&bytes);
-        assert!(matches!(h, HashRef::Wide(_)));
-        let s = Store::slot(0, h);
-        shard.upsert(
-            0,
-            h,
-            s.mixed,
-            32,
-            Holder {
-                replica: 3,
-                last_seen: 1,
-                tier: 1,
-                access: 0,
-            },
-            OPEN,
+        let other = [8u8; 16];
+        let mut w = store.write();
+        let mut h = holding(10);
+        let k = Key::new(0, HashRef::from_bytes(&bytes));
+        w.hold(0, &[(k, 32)], claim(3, 1), &mut h);
+        drop(w);
+        let reader = store.reader();
+        let (body, pos) = reader.locate(0, &k).expect("stored");
+        assert_eq!(body.as_ref().map(|b| b.count(pos)), Some(32));
+        assert!(
+            reader
+                .locate(0, &Key::new(0, HashRef::from_bytes(&other)))
+                .is_none()
         );
-        assert_eq!(shard.get(0, h, s.mixed).map(|x| x.token_count), Some(32));
         assert_eq!(HashRef::from_bytes(&5u64.to_be_bytes()), HashRef::Narrow(5));
     }
 }

@@ -13,23 +13,20 @@
 //! read locks to collect candidates, select victims with `select_nth_unstable`
 //! and remove them shard by shard. Lookups on other shards are never blocked.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use hashbrown::HashMap;
 
-use crate::catalog::{NameId, PartitionId, ReplicaId};
+use crate::catalog::NameId;
 use crate::clock::ms_to_secs;
 use crate::index::{CacheIndex, Deltas};
 use crate::model::{EvictionReason, SweepReport};
 use crate::policy::Eviction;
-use crate::store::{KeyId, Store};
+use crate::store::{Cell, Writing};
 
-struct Victim {
-    order: u64,
-    part: PartitionId,
-    key: KeyId,
-    replica: ReplicaId,
-}
+/// Runs a sweep visits per hold of the writer.
+const SWEEP_CHUNK: u32 = 1024;
 
 impl CacheIndex {
     /// Runs TTL expiry, quota and cap eviction once.
@@ -138,21 +135,45 @@ impl CacheIndex {
                 .collect()
         };
         let mut deltas = Deltas::default();
-        for shard in self.store.shards() {
-            shard.write().retain(
-                |part, h| cutoff.get(part as usize).is_none_or(|&c| h.last_seen >= c),
-                |part, r| match r {
-                    Some(r) => deltas.entry(part, r, -1),
-                    None => deltas.key(part, -1),
+        self.each_run_chunk(|w, run| {
+            w.retain(
+                run,
+                |part, _, cell| {
+                    cutoff
+                        .get(part as usize)
+                        .is_none_or(|&c| cell.last_seen() >= c)
                 },
+                &mut deltas,
             );
-        }
+        });
+        self.store.write().compact_table();
         let removed = -deltas.total_entries();
         self.apply(&deltas);
         removed.max(0) as u64
     }
 
-    /// Evicts `plan[tenant]` entries of each tenant in its victim order.
+    /// Calls `visit` for every run id, taking the writer for [`SWEEP_CHUNK`]
+    /// runs at a time so ingest is never held up for a whole pass.
+    fn each_run_chunk(&self, mut visit: impl FnMut(&mut Writing<'_>, u32)) {
+        let mut start = 0;
+        loop {
+            let mut w = self.store.write();
+            let bound = w.run_bound();
+            if start >= bound {
+                return;
+            }
+            let end = (start + SWEEP_CHUNK).min(bound);
+            for run in start..end {
+                visit(&mut w, run);
+            }
+            start = end;
+        }
+    }
+
+    /// Evicts `plan[tenant]` entries of each tenant in its victim order:
+    /// one pass counts the tenant's cells per order key, which fixes the
+    /// cut-off key; a second pass clears the cells below it (and as many
+    /// at it as are still due). Memory: one counter per distinct key.
     fn evict(
         &self,
         tenant_of: &[NameId],
@@ -163,58 +184,71 @@ impl CacheIndex {
             .keys()
             .map(|&t| (t, mode(t) == Eviction::Lfu))
             .collect();
-        let mut by_tenant: HashMap<NameId, Vec<Victim>> = HashMap::new();
-        for shard in self.store.shards() {
-            shard.read().for_each(|part, key, h| {
-                let Some(&tenant) = tenant_of.get(part as usize) else {
-                    return;
-                };
-                let Some(&is_lfu) = lfu.get(&tenant) else {
-                    return;
-                };
-                let order = if is_lfu {
-                    (u64::from(h.access) << 32) | u64::from(h.last_seen)
-                } else {
-                    u64::from(h.last_seen)
-                };
-                by_tenant.entry(tenant).or_default().push(Victim {
-                    order,
-                    part,
-                    key,
-                    replica: h.replica,
-                });
+        let order = |tenant: NameId, cell: Cell| -> Option<u64> {
+            let is_lfu = *lfu.get(&tenant)?;
+            Some(if is_lfu {
+                (u64::from(cell.access()) << 32) | u64::from(cell.last_seen())
+            } else {
+                u64::from(cell.last_seen())
+            })
+        };
+        let mut counts: HashMap<NameId, BTreeMap<u64, u64>> = HashMap::new();
+        self.each_run_chunk(|w, run| {
+            w.for_each(run, |part, _, cell| {
+                if let Some(&tenant) = tenant_of.get(part as usize)
+                    && let Some(key) = order(tenant, cell)
+                {
+                    *counts.entry(tenant).or_default().entry(key).or_insert(0) += 1;
+                }
             });
-        }
-        let mut deltas = Deltas::default();
-        for (tenant, mut victims) in by_tenant {
-            let n = plan
-                .get(&tenant)
-                .copied()
-                .unwrap_or(0)
-                .min(victims.len() as u64) as usize;
-            if n == 0 {
+        });
+        // Per tenant: evict every key below `cut`, and `at_cut` cells at it.
+        let mut cuts: HashMap<NameId, (u64, u64)> = HashMap::new();
+        for (tenant, keys) in &counts {
+            let due = plan.get(tenant).copied().unwrap_or(0);
+            if due == 0 {
                 continue;
             }
-            if n < victims.len() {
-                victims.select_nth_unstable_by_key(n - 1, |v| v.order);
-                victims.truncate(n);
-            }
-            for v in victims {
-                let hash = v.key.as_ref();
-                let slot = Store::slot(v.part, hash);
-                let (entry, key) = self
-                    .store
-                    .shard(slot.shard)
-                    .write()
-                    .remove(v.part, hash, slot.mixed, v.replica);
-                if entry {
-                    deltas.entry(v.part, v.replica, -1);
+            let mut below = 0u64;
+            let mut cut = (u64::MAX, 0);
+            for (&key, &n) in keys {
+                if below + n >= due {
+                    cut = (key, due - below);
+                    break;
                 }
-                if key {
-                    deltas.key(v.part, -1);
-                }
+                below += n;
             }
+            if cut.0 == u64::MAX {
+                // Fewer cells than due: all of them.
+                cut = (u64::MAX, u64::MAX);
+            }
+            cuts.insert(*tenant, cut);
         }
+        let mut deltas = Deltas::default();
+        self.each_run_chunk(|w, run| {
+            w.retain(
+                run,
+                |part, _, cell| {
+                    let Some(&tenant) = tenant_of.get(part as usize) else {
+                        return true;
+                    };
+                    let (Some(key), Some(cut)) = (order(tenant, cell), cuts.get_mut(&tenant))
+                    else {
+                        return true;
+                    };
+                    if key < cut.0 {
+                        return false;
+                    }
+                    if key == cut.0 && cut.1 > 0 {
+                        cut.1 -= 1;
+                        return false;
+                    }
+                    true
+                },
+                &mut deltas,
+            );
+        });
+        self.store.write().compact_table();
         let removed = -deltas.total_entries();
         self.apply(&deltas);
         removed.max(0) as u64

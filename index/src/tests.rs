@@ -511,16 +511,13 @@ fn access_of(f: &Fixture, replica: &str, hash: &[u8]) -> u16 {
     let catalog = f.index.catalog.read();
     let part = catalog.partition(T, M, S, "").expect("partition");
     let r = catalog.replica(replica).expect("replica");
-    let key = crate::store::HashRef::from_bytes(hash);
-    let slot = crate::store::Store::slot(part, key);
-    let shard = f.index.store.shard(slot.shard).read();
-    shard
-        .get(part, key, slot.mixed)
-        .and_then(|held| {
-            held.holders
-                .iter()
-                .find(|x| x.replica == r)
-                .map(|x| x.access)
+    let reader = f.index.store.reader();
+    reader
+        .locate(part, &crate::store::Key::of_bytes(part, hash))
+        .and_then(|(guard, pos)| {
+            let body = guard.as_ref()?;
+            let cell = body.cell(body.row(r)?, pos);
+            cell.held().then(|| cell.access())
         })
         .unwrap_or(u16::MAX)
 }
@@ -770,7 +767,7 @@ fn global_cap_evicts_lru() {
 #[test]
 fn tenant_quota_evicts_lfu() {
     let f = fixture();
-    f.policy("  eviction: LFU\n  quota: {maxIndexEntries: 2}\n");
+    f.policy("  eviction: LFU\n");
     for i in 0..4u64 {
         f.hold("A", &chain(i..i + 1));
         f.clock.advance(Duration::from_secs(1));
@@ -780,12 +777,37 @@ fn tenant_quota_evicts_lfu() {
         assert_eq!(f.lookup_chain(&chain(0..1)).reason, Reason::PrefixMatch);
         assert_eq!(f.lookup_chain(&chain(1..2)).reason, Reason::PrefixMatch);
     }
+    f.policy("  eviction: LFU\n  quota: {maxIndexEntries: 2}\n");
     let r = f.index.sweep();
     assert_eq!(r.quota, 2);
     assert_eq!(f.index.entry_count(), 2);
     assert_eq!(f.lookup_chain(&chain(0..1)).reason, Reason::PrefixMatch);
     assert_eq!(f.lookup_chain(&chain(1..2)).reason, Reason::PrefixMatch);
     assert_ne!(f.lookup_chain(&chain(2..3)).reason, Reason::PrefixMatch);
+}
+
+#[test]
+fn quota_and_cap_hold_at_ingest() {
+    let f = fixture();
+    f.policy("  quota: {maxIndexEntries: 5}\n");
+    let report = f
+        .index
+        .ingest(&update("A", vec![chain_prefix(&chain(0..8), 16)]));
+    assert_eq!((report.entries_added, report.entries_refused), (5, 3));
+    assert_eq!(f.index.entry_count(), 5);
+    // Refreshing what is held is never refused.
+    let report = f
+        .index
+        .ingest(&update("A", vec![chain_prefix(&chain(0..5), 16)]));
+    assert_eq!((report.entries_written, report.entries_refused), (5, 0));
+    // Another tenant is not held to this one's quota, only to the global cap.
+    f.index.set_max_entries(9);
+    let mut other = update("B", vec![chain_prefix(&chain(100..110), 16)]);
+    other.tenant_id = "other".into();
+    let report = f.index.ingest(&other);
+    assert_eq!((report.entries_added, report.entries_refused), (4, 6));
+    assert_eq!(f.index.entry_count(), 9);
+    assert_eq!(f.index.entries_refused(), 9);
 }
 
 #[test]
@@ -881,4 +903,41 @@ fn fixed_and_byte_chains_are_the_same_keys() {
         token_counts: &counts,
     });
     assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
+}
+
+#[test]
+fn all_cleared_touches_only_what_the_replica_held() {
+    let f = fixture();
+    // A holds 3 runs of its own, B one run shared with A's first chain.
+    for c in 0..3u64 {
+        f.hold("A", &chain(c * 100..c * 100 + 40));
+    }
+    f.hold("B", &chain(0..40));
+    f.hold("B", &chain(1000..1010));
+    let (keys, runs, _) = f.index.store.write().shape();
+    assert_eq!((keys, runs), (130, 4));
+    let a = f.index.catalog.read().replica("A").expect("A");
+    let b = f.index.catalog.read().replica("B").expect("B");
+    assert_eq!(f.index.store.write().runs_of(a), 3);
+    assert_eq!(f.index.store.write().runs_of(b), 2);
+    let clear = |replica: &str| {
+        f.index.publish(&CacheEvent {
+            kind: EventKind::AllCleared,
+            replica_id: replica.into(),
+            model_id: String::new(),
+            tenant_id: String::new(),
+            prefix_hash: Vec::new(),
+            adapter_id: String::new(),
+        })
+    };
+    assert_eq!(clear("A").entries_removed, 120);
+    assert_eq!(f.index.store.write().runs_of(a), 0);
+    // A's private runs are freed with their keys; the shared run stays for B.
+    let (keys, runs, _) = f.index.store.write().shape();
+    assert_eq!((keys, runs), (50, 2));
+    assert_eq!(f.index.entry_count(), 50);
+    assert_eq!(f.index.prefix_count(), 50);
+    assert_eq!(clear("B").entries_removed, 50);
+    assert_eq!(f.index.store.write().shape().0, 0);
+    assert_eq!((f.index.entry_count(), f.index.prefix_count()), (0, 0));
 }
