@@ -11,7 +11,9 @@
 //!               unknown otherwise → the mean of the members whose load is known
 //! pending(r)  = uncached tokens this index hinted to r since those stats
 //! excess(r)   = recent requests to r past loadBound × their mean + 1,
-//!               × mean request tokens (a decayed count, see below)
+//!               × mean request tokens (a decayed count, see below),
+//!               × continuationWeight when the request continues a
+//!               conversation
 //! busy        = mean load / mean request tokens (queued requests per member)
 //! cost(r)     = (1 + contentionWeight × busy) × uncached(r)
 //!               + loadWeight × (load(r) + excess(r))
@@ -21,7 +23,14 @@
 //! moving a session off its cache adds work that everything queued behind
 //! it waits for, so a saturated fleet keeps sessions where their cache is.
 //! The excess term keeps long-lived sessions from piling onto a few
-//! replicas when nothing else would move them (an idle fleet).
+//! replicas when nothing else would move them (an idle fleet). Moving a
+//! conversation mid-way recomputes its whole context, while a request that
+//! starts from a shared prefix (a new session on a tool preamble) copies
+//! only that prefix, and copying it once lets later sessions spread. The two
+//! are told apart by where the request's deepest match ends: at a block where
+//! an earlier request's match also ended (a branch point: shared) or not
+//! (the end of this conversation's previous turn). [`ReuseCounts`] keeps
+//! those counts; a continuation feels the excess at `continuationWeight`.
 //!
 //! The *common depth* is the longest run of blocks that more than half of the
 //! live members hold (a system prompt, a tool preamble): holding it tells
@@ -42,7 +51,7 @@
 //! Cost: two passes over the live members plus a binary search per candidate;
 //! everything lives in stack buffers of 32 members (heap beyond).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 
@@ -161,6 +170,7 @@ fn cost_view(
     chain: Option<Chain<'_>>,
     request_tokens: i64,
     mean_tokens: f64,
+    excess_weight: f64,
 ) -> Option<CostView> {
     if members.is_empty() {
         return None;
@@ -188,7 +198,7 @@ fn cost_view(
     };
     let uncached_weight = 1.0 + policy.contention_weight * busy;
     for m in members.iter_mut() {
-        let excess = (m.assigned - assigned_limit).max(0.0) * mean_tokens;
+        let excess = (m.assigned - assigned_limit).max(0.0) * mean_tokens * excess_weight;
         let uncached = (request_tokens - m.matched).max(0) as f64;
         m.cost = uncached_weight * uncached + policy.load_weight * (m.load + excess);
     }
@@ -224,9 +234,11 @@ fn cost_view(
 }
 
 /// PREFIX_MATCH by least cost, or a downgrade seeded past the common depth.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rank_by_cost(
     ctx: &Ctx<'_>,
     catalog: &Catalog,
+    fleet: &Fleet,
     members: &Members,
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
@@ -234,6 +246,20 @@ pub(crate) fn rank_by_cost(
     mean_tokens: f64,
 ) -> Ranked {
     let policy = ctx.policy;
+    // Where the deepest match ends: a prefix other requests already branched
+    // off (a shared template) or the end of one conversation's last turn.
+    let deepest = cands.iter().map(|c| c.blocks).max().unwrap_or(0) as usize;
+    let reused = match chain {
+        Some(c) if deepest > 0 && deepest <= c.hashes.len() => {
+            fleet.reuse.bump(seed_of(c.hashes.get(deepest - 1)))
+        }
+        _ => 1,
+    };
+    let excess_weight = if reused == 0 {
+        policy.continuation_weight
+    } else {
+        1.0
+    };
     let Some(view) = cost_view(
         policy,
         members.clone(),
@@ -241,6 +267,7 @@ pub(crate) fn rank_by_cost(
         chain,
         request_tokens,
         mean_tokens,
+        excess_weight,
     ) else {
         return Ranked::DOWNGRADED;
     };
@@ -307,6 +334,7 @@ pub(crate) fn bounded_affinity(
         chain,
         request_tokens,
         mean_tokens,
+        1.0,
     )?;
     let seed = match chain {
         Some(c) if !c.hashes.is_empty() => {
@@ -340,6 +368,43 @@ pub(crate) fn bounded_affinity(
         estimated_cache_hit_prob: 0.0,
         tier: Tier::Unspecified,
     })
+}
+
+/// How many requests' deepest match ended at each block: a lossy, fixed-size,
+/// lock-free table (one `u64` per slot: a 48-bit tag and a 16-bit count; a
+/// slot taken over by another block starts again from zero). 512 KiB per
+/// index; a lookup reads and writes one slot.
+#[derive(Debug)]
+pub(crate) struct ReuseCounts {
+    slots: Box<[AtomicU64]>,
+}
+
+const REUSE_SLOTS: usize = 1 << 16;
+
+impl Default for ReuseCounts {
+    fn default() -> Self {
+        Self {
+            slots: (0..REUSE_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+impl ReuseCounts {
+    /// Counts one more request whose match ended at `hash`; returns how many
+    /// did before.
+    pub fn bump(&self, hash: u64) -> u32 {
+        let h = mix(hash);
+        let slot = &self.slots[(h as usize) & (REUSE_SLOTS - 1)];
+        let tag = h & !0xFFFF;
+        let old = slot.load(Ordering::Relaxed);
+        let before = if old & !0xFFFF == tag {
+            old & 0xFFFF
+        } else {
+            0
+        };
+        slot.store(tag | (before + 1).min(0xFFFF), Ordering::Relaxed);
+        before as u32
+    }
 }
 
 fn seed_of(bytes: &[u8]) -> u64 {

@@ -111,6 +111,8 @@ impl Member {
 pub(crate) struct Fleet {
     pub records: HashMap<ReplicaId, ReplicaRecord>,
     members: HashMap<[NameId; 2], Vec<Member>>,
+    /// Where recent requests' deepest matches ended (see the `cost` module).
+    pub reuse: crate::cost::ReuseCounts,
 }
 
 impl Fleet {

@@ -145,6 +145,10 @@ pub struct CachePolicy {
     /// CostAware: how much dearer an uncached token gets per request queued
     /// on the average member.
     pub contention_weight: f64,
+    /// CostAware: weight of the balance excess for a request that continues
+    /// a conversation (its deepest match ends where no earlier request's
+    /// did), against 1 for a request that starts from a shared prefix.
+    pub continuation_weight: f64,
 }
 
 impl Default for CachePolicy {
@@ -171,8 +175,9 @@ impl Default for CachePolicy {
             running_weight: 0.2,
             load_stats_max_age: Duration::from_secs(5),
             load_bound: 1.25,
-            balance_half_life: Duration::from_secs(60),
+            balance_half_life: Duration::from_secs(180),
             contention_weight: 0.25,
+            continuation_weight: 0.35,
         }
     }
 }
@@ -357,6 +362,7 @@ struct RawSpec {
     load_bound: Option<Number>,
     balance_half_life: Option<String>,
     contention_weight: Option<Number>,
+    continuation_weight: Option<Number>,
 }
 
 #[derive(Deserialize)]
@@ -583,6 +589,16 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
     }
     if let Some(v) = spec.contention_weight {
         policy.contention_weight = decimal("spec.contentionWeight", v)?;
+    }
+    if let Some(v) = spec.continuation_weight {
+        let weight = decimal("spec.continuationWeight", v)?;
+        if !(0.0..=1.0).contains(&weight) {
+            return Err(field_err(
+                "spec.continuationWeight",
+                format!("must be between 0 and 1, got {weight}"),
+            ));
+        }
+        policy.continuation_weight = weight;
     }
     Ok(())
 }

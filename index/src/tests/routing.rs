@@ -374,3 +374,57 @@ fn a_hot_session_on_an_idle_fleet_is_balanced_against_new_ones() {
         );
     }
 }
+
+/// A hot replica on an idle fleet: one conversation keeps extending there
+/// while new sessions start from a tool preamble it holds. Returns how often
+/// the conversation moved and how many new sessions went elsewhere.
+fn preamble_and_conversation(continuation_weight: &str) -> (usize, usize) {
+    let f = fixture();
+    f.policy(&format!(
+        "  ranker: CostAware\n  continuationWeight: \"{continuation_weight}\"\n"
+    ));
+    let members = ["a", "b", "c", "d"];
+    for r in members {
+        announce(&f, r);
+    }
+    let preamble = chain(1..11);
+    let mut conversation = preamble.clone();
+    conversation.extend(chain(1_000..1_004));
+    f.hold("a", &conversation);
+    let (mut moves, mut elsewhere, mut at) = (0, 0, "a".to_string());
+    for i in 0..120u64 {
+        f.clock.advance(Duration::from_millis(200));
+        for r in members {
+            load(&f, r, 0, 0);
+        }
+        conversation.push(h(2_000 + i));
+        let o = f.lookup_chain(&conversation);
+        let to = o.scores[0].replica_id.to_string();
+        f.hold(&to, &conversation);
+        if to != at {
+            moves += 1;
+            at = to;
+        }
+        if i % 4 == 3 {
+            let mut session = preamble.clone();
+            session.extend(chain(10_000 + i * 10..10_008 + i * 10));
+            let o = f.lookup_chain(&session);
+            let to = o.scores[0].replica_id.to_string();
+            f.hold(&to, &session);
+            elsewhere += usize::from(to != "a");
+        }
+    }
+    (moves, elsewhere)
+}
+
+#[test]
+fn a_shared_preamble_is_copied_before_a_conversation_is_moved() {
+    // By default a conversation stays with its cache, and the new sessions
+    // that branch off the preamble it shares are the ones that spread.
+    let (moves, elsewhere) = preamble_and_conversation("0.35");
+    assert_eq!(moves, 0, "the conversation moved {moves} times");
+    assert!(elsewhere >= 15, "{elsewhere} of 30 new sessions left a");
+    // Weighing a continuation like a new session moves the conversation.
+    let (moves, _) = preamble_and_conversation("1");
+    assert!(moves > 0, "the conversation never moved");
+}
