@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::index_runtime::IndexSettings;
 use crate::limits::Limits;
 use crate::prompt_inputs::PromptSettings;
+use crate::replication::ReplicationSettings;
 use crate::security::SecuritySettings;
 
 /// Default `--grpc-addr`.
@@ -35,6 +36,8 @@ pub struct ServeConfig {
     pub security: SecuritySettings,
     /// Graceful shutdown timing.
     pub shutdown: ShutdownSettings,
+    /// The shared event log on NATS JetStream (`--nats-url`); `None` keeps the index in this process only.
+    pub replication: Option<ReplicationSettings>,
 }
 
 fn addr(text: &str) -> SocketAddr {
@@ -52,6 +55,7 @@ impl Default for ServeConfig {
             limits: Limits::default(),
             security: SecuritySettings::default(),
             shutdown: ShutdownSettings::default(),
+            replication: None,
         }
     }
 }

@@ -35,7 +35,7 @@ use crate::limits::{Limits, MAX_GRPC_DEADLINE};
 use crate::metrics::Metrics;
 use crate::prompt_inputs::{PromptState, TextInput, TokenizeFailure};
 use inference_cache_index as index;
-use inference_cache_proto::v1alpha1::{ReplicaScore, ReplicaStats, cache_event};
+use inference_cache_proto::v1alpha1::{ReplicaScore, ReplicaStats};
 
 /// Boxed server-streaming response.
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -273,12 +273,45 @@ impl InferenceCache for CacheService {
 
     async fn lookup_pd_route(
         &self,
-        _request: Request<LookupPdRouteRequest>,
+        request: Request<LookupPdRouteRequest>,
     ) -> Result<Response<LookupPdRouteResponse>, Status> {
+        let started = Instant::now();
         self.metrics.record_rpc("LookupPDRoute");
+        let deadline = self.caller_deadline(request.metadata(), started);
+        let credentials = Credentials::of(&request);
+        let request = request.into_inner();
+        let refused = match self.auth.consumer(&credentials) {
+            Ok(caller) if caller.may_read(&request.tenant_id) => None,
+            Ok(_) => Some("tenant"),
+            Err(refusal) => Some(refusal.reason),
+        };
+        if let Some(why) = refused {
+            self.metrics.record_auth_refused("LookupPDRoute", why);
+            return Ok(Response::new(LookupPdRouteResponse {
+                reason_code: reason::NO_HINT.to_owned(),
+                ..Default::default()
+            }));
+        }
+        let query = crate::pd_route::PdQuery {
+            tenant_id: &request.tenant_id,
+            model_id: &request.model_id,
+            prefix_hash: &request.prefix_hash,
+            prefix_token_count: request.prefix_token_count,
+            topology: &request.pd_topology_ref,
+            arrived: started,
+            deadline,
+        };
+        let answer = crate::pd_route::route(
+            &self.index.index,
+            &self.index.pd_topologies(),
+            &query,
+            self.index.now_ms(),
+        );
         Ok(Response::new(LookupPdRouteResponse {
-            reason_code: reason::NO_HINT.to_owned(),
-            ..Default::default()
+            prefill_replica_id: answer.prefill_replica_id,
+            decode_replica_id: answer.decode_replica_id,
+            transport_hint: answer.transport_hint,
+            reason_code: answer.reason.to_owned(),
         }))
     }
 
@@ -394,8 +427,7 @@ impl InferenceCache for CacheService {
             }
             let mut update = cache_update(update);
             crate::limits::bound_update(&self.limits, &self.metrics, &mut update);
-            let report = self.index.index.ingest(&update);
-            self.index.record_ingest(&report);
+            self.index.ingest(&update);
         }
         Ok(Response::new(Ack {
             accepted: true,
@@ -422,27 +454,13 @@ impl InferenceCache for CacheService {
                 event.replica_id, event.tenant_id
             )));
         }
-        let kind = match cache_event::Type::try_from(event.r#type) {
-            Ok(cache_event::Type::PrefixAdded) => index::EventKind::PrefixAdded,
-            Ok(cache_event::Type::PrefixEvicted) => index::EventKind::PrefixEvicted,
-            Ok(cache_event::Type::ReplicaUpdated) => index::EventKind::ReplicaUpdated,
-            Ok(cache_event::Type::AllCleared) => index::EventKind::AllCleared,
-            Ok(cache_event::Type::Unspecified) | Err(_) => {
-                return Ok(Response::new(Ack {
-                    accepted: false,
-                    reason_code: UNKNOWN_EVENT_TYPE.to_owned(),
-                }));
-            }
+        let Some(event) = crate::streams::index_event(&event) else {
+            return Ok(Response::new(Ack {
+                accepted: false,
+                reason_code: UNKNOWN_EVENT_TYPE.to_owned(),
+            }));
         };
-        let report = self.index.index.publish(&index::CacheEvent {
-            kind,
-            replica_id: event.replica_id,
-            model_id: event.model_id,
-            tenant_id: event.tenant_id,
-            prefix_hash: event.prefix_hash,
-            adapter_id: event.adapter_id,
-        });
-        self.index.record_event_removals(report.entries_removed);
+        self.index.publish(&event);
         Ok(Response::new(Ack {
             accepted: true,
             reason_code: reason::OK.to_owned(),
@@ -453,20 +471,46 @@ impl InferenceCache for CacheService {
 
     async fn stream_cache_events(
         &self,
-        _request: Request<StreamEventsRequest>,
+        request: Request<StreamEventsRequest>,
     ) -> Result<Response<Self::StreamCacheEventsStream>, Status> {
         self.metrics.record_rpc("StreamCacheEvents");
-        Ok(Response::new(Box::pin(futures::stream::empty())))
+        let caller = self
+            .auth
+            .consumer(&Credentials::of(&request))
+            .map_err(|refusal| {
+                self.metrics
+                    .record_auth_refused("StreamCacheEvents", refusal.reason);
+                refusal.status("StreamCacheEvents")
+            })?;
+        let request = request.into_inner();
+        if !request.tenant_id.is_empty() && !caller.may_read(&request.tenant_id) {
+            self.metrics
+                .record_auth_refused("StreamCacheEvents", "tenant");
+            return Err(Status::permission_denied(
+                "StreamCacheEvents: tenant outside the caller's grant",
+            ));
+        }
+        let events = self.index.streams().watch(request, caller);
+        Ok(Response::new(Box::pin(events)))
     }
 
     type StreamMetricsStream = ResponseStream<Metric>;
 
     async fn stream_metrics(
         &self,
-        _request: Request<StreamMetricsRequest>,
+        request: Request<StreamMetricsRequest>,
     ) -> Result<Response<Self::StreamMetricsStream>, Status> {
         self.metrics.record_rpc("StreamMetrics");
-        Ok(Response::new(Box::pin(futures::stream::empty())))
+        if let Err(refusal) = self.auth.consumer(&Credentials::of(&request)) {
+            self.metrics
+                .record_auth_refused("StreamMetrics", refusal.reason);
+            return Err(refusal.status("StreamMetrics"));
+        }
+        let snapshots = self
+            .index
+            .streams()
+            .metric_snapshots(Arc::clone(&self.metrics), request.into_inner());
+        Ok(Response::new(Box::pin(snapshots)))
     }
 }
 

@@ -5,10 +5,15 @@
 //!
 //! Everything here speaks the index crate's plain types; the gRPC handlers in
 //! `grpc.rs` translate wire messages to and from them.
+//!
+//! Ingest goes through [`IndexState::ingest`] / [`IndexState::publish`]: the
+//! index, the metrics, the observer event stream (`streams.rs`) and, with
+//! `--nats-url`, the shared log (`replication.rs`). Changes read back from the
+//! shared log go through the `apply_replicated_*` twins, which skip the log.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -18,8 +23,8 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use inference_cache_index::{
-    CacheIndex, Clock, DropReason, EvictionReason, IngestReport, PolicySet, SweepReport,
-    SystemClock,
+    CacheEvent, CacheIndex, CacheUpdate, Clock, DropReason, EventReport, EvictionReason,
+    IngestReport, PROBE_TENANT, PolicySet, SweepReport, SystemClock,
 };
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -28,6 +33,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
+
+use crate::pd_route::PdTopologies;
+use crate::replication::LogSink;
+use crate::streams::{StreamArgs, StreamSettings, Streams};
 
 /// Flags of the cache index, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -51,6 +60,10 @@ pub struct IndexArgs {
     /// Interval of the background TTL / capacity sweep (e.g. 10s, 1m).
     #[arg(long, default_value = "10s", value_parser = parse_interval, env = "INFERENCE_CACHE_SWEEP_INTERVAL")]
     pub sweep_interval: Duration,
+
+    /// StreamCacheEvents / StreamMetrics flags.
+    #[command(flatten)]
+    pub streams: StreamArgs,
 }
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
@@ -70,6 +83,7 @@ impl IndexArgs {
             max_holders_per_key: self.max_holders_per_key as usize,
             engine_block_size: self.engine_block_size as usize,
             sweep_interval: self.sweep_interval,
+            streams: self.streams.into_settings(),
             clock: ClockHandle::default(),
         }
     }
@@ -112,6 +126,8 @@ pub struct IndexSettings {
     pub engine_block_size: usize,
     /// Background sweep interval.
     pub sweep_interval: Duration,
+    /// StreamCacheEvents / StreamMetrics settings.
+    pub streams: StreamSettings,
     /// Time source (tests inject a manual clock).
     pub clock: ClockHandle,
 }
@@ -124,6 +140,7 @@ impl Default for IndexSettings {
             max_holders_per_key: inference_cache_index::DEFAULT_MAX_HOLDERS_PER_KEY,
             engine_block_size: 16,
             sweep_interval: Duration::from_secs(10),
+            streams: StreamSettings::default(),
             clock: ClockHandle::default(),
         }
     }
@@ -227,6 +244,10 @@ pub struct IndexState {
     metrics: IndexMetrics,
     policy_file: Option<PathBuf>,
     last_reload_error: Mutex<Option<String>>,
+    streams: Streams,
+    log: OnceLock<Arc<LogSink>>,
+    pd_topologies: arc_swap::ArcSwap<PdTopologies>,
+    clock: Arc<dyn Clock>,
 }
 
 impl IndexState {
@@ -243,11 +264,16 @@ impl IndexState {
             metrics: IndexMetrics::register(registry),
             policy_file: settings.policy_file.clone(),
             last_reload_error: Mutex::new(None),
+            streams: Streams::new(&settings.streams, registry),
+            log: OnceLock::new(),
+            pd_topologies: arc_swap::ArcSwap::from_pointee(PdTopologies::default()),
+            clock: Arc::clone(&settings.clock.0),
         };
         if let Some(path) = &state.policy_file {
-            let policies = read_policies(path)?;
-            tracing::info!(path = %path.display(), namespaces = policies.len(), "policy loaded");
+            let (policies, topologies) = read_policies(path)?;
+            tracing::info!(path = %path.display(), namespaces = policies.len(), pd_topologies = topologies.len(), "policy loaded");
             state.index.set_policies(policies);
+            state.pd_topologies.store(Arc::new(topologies));
             state.count_reload("success");
         }
         Ok(state)
@@ -268,9 +294,10 @@ impl IndexState {
             return false;
         };
         match read_policies(path) {
-            Ok(policies) => {
-                tracing::info!(path = %path.display(), namespaces = policies.len(), "policy reloaded");
+            Ok((policies, topologies)) => {
+                tracing::info!(path = %path.display(), namespaces = policies.len(), pd_topologies = topologies.len(), "policy reloaded");
                 self.index.set_policies(policies);
+                self.pd_topologies.store(Arc::new(topologies));
                 *self.last_reload_error.lock() = None;
                 self.count_reload("success");
                 true
@@ -282,6 +309,72 @@ impl IndexState {
                 false
             }
         }
+    }
+
+    /// The PD topologies of the policy file.
+    pub fn pd_topologies(&self) -> Arc<PdTopologies> {
+        self.pd_topologies.load_full()
+    }
+
+    /// Now, by the index's clock (ms since the epoch).
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// The observer streams fed by every applied change.
+    pub fn streams(&self) -> &Streams {
+        &self.streams
+    }
+
+    /// Sends every accepted ingest to the shared log from now on (once).
+    pub fn set_log_sink(&self, sink: Arc<LogSink>) {
+        if self.log.set(sink).is_err() {
+            tracing::warn!("shared log sink already set; keeping the first");
+        }
+    }
+
+    /// Ingests an accepted update (authorized, limits applied): the index,
+    /// the metrics, the event stream and the shared log.
+    pub fn ingest(&self, update: &CacheUpdate) -> IngestReport {
+        let report = self.apply_replicated_update(update);
+        if let Some(log) = self.log.get()
+            && update.tenant_id != PROBE_TENANT
+        {
+            log.append_update(update);
+        }
+        report
+    }
+
+    /// Applies an accepted producer event: the index, the metrics, the event
+    /// stream and the shared log.
+    pub fn publish(&self, event: &CacheEvent) -> EventReport {
+        let report = self.apply_replicated_event(event);
+        if let Some(log) = self.log.get()
+            && event.tenant_id != PROBE_TENANT
+        {
+            log.append_event(event);
+        }
+        report
+    }
+
+    /// Applies an update read from the shared log (not appended again).
+    pub fn apply_replicated_update(&self, update: &CacheUpdate) -> IngestReport {
+        let report = self.index.ingest(update);
+        self.record_ingest(&report);
+        if update.tenant_id != PROBE_TENANT {
+            self.streams.emit_update(update);
+        }
+        report
+    }
+
+    /// Applies an event read from the shared log (not appended again).
+    pub fn apply_replicated_event(&self, event: &CacheEvent) -> EventReport {
+        let report = self.index.publish(event);
+        self.record_event_removals(report.entries_removed);
+        if event.tenant_id != PROBE_TENANT {
+            self.streams.emit_event(event);
+        }
+        report
     }
 
     /// Records an ingest report in the metrics.
@@ -388,10 +481,15 @@ impl IndexState {
     }
 }
 
-fn read_policies(path: &Path) -> anyhow::Result<PolicySet> {
+/// The CachePolicy objects and the PDTopology objects of a policy file.
+fn read_policies(path: &Path) -> anyhow::Result<(PolicySet, PdTopologies)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading policy file {}", path.display()))?;
-    PolicySet::from_yaml(&text).with_context(|| format!("policy file {}", path.display()))
+    let (rest, topologies) = crate::pd_route::split_policy_stream(&text)
+        .with_context(|| format!("policy file {}", path.display()))?;
+    let policies =
+        PolicySet::from_yaml(&rest).with_context(|| format!("policy file {}", path.display()))?;
+    Ok((policies, topologies))
 }
 
 async fn policy_route(State(state): State<Arc<IndexState>>) -> impl IntoResponse {

@@ -24,11 +24,15 @@ mod grpc;
 mod index_runtime;
 pub mod limits;
 mod metrics;
+mod pd_route;
 mod prompt_inputs;
 pub mod prompt_templates;
 mod reload;
+mod replication;
 mod run;
 mod security;
+mod streams;
+mod watch;
 
 pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
@@ -38,5 +42,8 @@ pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;
 pub use prompt_inputs::{PromptArgs, PromptSettings};
+pub use replication::{ReplicationArgs, ReplicationSettings};
 pub use run::{RunningServer, start};
 pub use security::{SecurityArgs, SecuritySettings, TlsFiles};
+pub use streams::{StreamArgs, StreamSettings};
+pub use watch::{WatchArgs, format_event, run as watch};

@@ -10,8 +10,8 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use inference_cache_replay::ReplayArgs;
 use inference_cache_server::{
-    DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, IndexArgs, LimitArgs, PromptArgs, SecurityArgs,
-    ServeConfig, ShutdownArgs, start,
+    DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, IndexArgs, LimitArgs, PromptArgs, ReplicationArgs,
+    SecurityArgs, ServeConfig, ShutdownArgs, WatchArgs, start,
 };
 use inference_cache_subscriber::SubscribeArgs;
 use tracing_subscriber::EnvFilter;
@@ -44,6 +44,8 @@ enum Command {
     Subscribe(SubscribeArgs),
     /// Replay a request trace through routing policies over simulated replicas.
     Replay(ReplayArgs),
+    /// Print a server's index changes (StreamCacheEvents) as they happen.
+    Watch(WatchArgs),
 }
 
 /// Flags of `inference-cache serve`.
@@ -71,6 +73,9 @@ struct ServeArgs {
 
     #[command(flatten)]
     shutdown: ShutdownArgs,
+
+    #[command(flatten)]
+    replication: ReplicationArgs,
 }
 
 impl ServeArgs {
@@ -83,6 +88,7 @@ impl ServeArgs {
             limits: self.limits.into_settings(),
             security: self.security.into_settings(),
             shutdown: self.shutdown.into_settings(),
+            replication: self.replication.into_settings(),
         }
     }
 }
@@ -135,6 +141,7 @@ async fn main() -> ExitCode {
         Command::Serve(args) => serve(args).await,
         Command::Subscribe(args) => inference_cache_subscriber::run(args).await,
         Command::Replay(args) => inference_cache_replay::run(args).await.map_err(Into::into),
+        Command::Watch(args) => inference_cache_server::watch(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,7 +6,11 @@
 //! `--shutdown-delay` (time for load balancers to notice) both listeners stop
 //! accepting and in-flight calls drain; after `--drain-timeout` the calls
 //! still open (a producer stream that never closes) are ended with
-//! UNAVAILABLE and the server stops without waiting for them.
+//! UNAVAILABLE and the server stops without waiting for them. The observer
+//! streams (StreamCacheEvents, StreamMetrics) end with OK at the first step.
+//!
+//! With `--nats-url` the index is fed from the shared log too, and `/readyz`
+//! answers 503 until the log has been replayed (see `replication.rs`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,9 +29,10 @@ use crate::admin::{self, AdminState};
 use crate::auth::Authorizer;
 use crate::config::ServeConfig;
 use crate::grpc::CacheService;
-use crate::index_runtime::IndexState;
+use crate::index_runtime::{ClockHandle, IndexState};
 use crate::metrics::Metrics;
 use crate::prompt_inputs::PromptState;
+use crate::replication::{self, ReplayClock};
 
 /// How long handlers get to end their streams once the drain deadline cuts them.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -79,7 +84,35 @@ async fn drain_deadline(stop: CancellationToken, drain: Duration) {
 /// Binds the listeners and starts serving in the background.
 pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let mut metrics = Metrics::new();
-    let index = Arc::new(IndexState::new(&config.index, metrics.registry_mut())?);
+    let mut index_settings = config.index.clone();
+    let replay_clock = config.replication.as_ref().map(|_| {
+        let clock = Arc::new(ReplayClock::new(Arc::clone(&config.index.clock.0)));
+        index_settings.clock = ClockHandle(clock.clone());
+        clock
+    });
+    let index = Arc::new(IndexState::new(&index_settings, metrics.registry_mut())?);
+    // shutdown: the trigger; stop_accepting: after the delay; cut: at the drain deadline;
+    // log_stop: once both listeners have closed.
+    let shutdown = CancellationToken::new();
+    let stop_accepting = CancellationToken::new();
+    let cut = CancellationToken::new();
+    let log_stop = CancellationToken::new();
+    // Without a shared log the index is complete at once; with one, ready after the replay.
+    let ready = Arc::new(AtomicBool::new(config.replication.is_none()));
+    if let (Some(settings), Some(clock)) = (config.replication.clone(), replay_clock) {
+        replication::start(
+            settings,
+            Arc::clone(&index),
+            clock,
+            metrics.registry_mut(),
+            Arc::clone(&ready),
+            shutdown.clone(),
+            log_stop.clone(),
+        )
+        .await?;
+    }
+    // Stops the log tasks if start-up fails from here on.
+    let log_guard = log_stop.clone().drop_guard();
     let prompts = Arc::new(PromptState::new(
         &config.prompts,
         config.limits.tokenize_concurrency,
@@ -133,10 +166,6 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         .build_v1alpha()
         .context("building gRPC reflection (v1alpha)")?;
 
-    // shutdown: the trigger; stop_accepting: after the delay; cut: at the drain deadline.
-    let shutdown = CancellationToken::new();
-    let stop_accepting = CancellationToken::new();
-    let cut = CancellationToken::new();
     let limits = Arc::new(config.limits.clone());
     let service = InferenceCacheServer::new(
         CacheService::new(
@@ -151,7 +180,6 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     index.spawn_background(config.index.sweep_interval, stop_accepting.clone());
     prompts.spawn_background(stop_accepting.clone());
     auth.spawn_background(stop_accepting.clone());
-    let ready = Arc::new(AtomicBool::new(true));
     metrics.server_up.set(1);
 
     let keepalive = limits.grpc_keepalive_interval;
@@ -228,9 +256,11 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         let shutdown = shutdown.clone();
         let metrics = Arc::clone(&metrics);
         let delay = config.shutdown.delay;
+        let index = Arc::clone(&index);
         async move {
             shutdown.cancelled().await;
             ready.store(false, Ordering::Release);
+            index.streams().close();
             metrics.server_up.set(0);
             health_reporter
                 .set_not_serving::<InferenceCacheServer<CacheService>>()
@@ -249,8 +279,10 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     };
 
     tracing::info!(%grpc_addr, %admin_addr, tls = security.tls.is_some(), auth = auth.enabled(), "serving");
+    let log_stop = log_guard.disarm();
     let tasks = tokio::spawn(async move {
         let (grpc, admin, ()) = tokio::join!(grpc, admin, sequence);
+        log_stop.cancel();
         grpc.context("gRPC server")?;
         admin.context("admin HTTP server")?;
         tracing::info!("stopped");

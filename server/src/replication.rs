@@ -1,0 +1,873 @@
+//! The shared event log: many servers, one index, on a NATS JetStream stream.
+//!
+//! With `--nats-url` every accepted ingest (a `ReportCacheState` update, a
+//! `PublishEvent` event) is applied to the local index at once and appended
+//! to one JetStream stream; every server consumes that stream from its start
+//! and applies what the *other* servers appended. A write to any server thus
+//! reaches every server's index, and a new or restarted server rebuilds its
+//! index from the stream before `/readyz` answers 200.
+//!
+//! Wire form (language-neutral): subject `<prefix>.update.<origin>` carries a
+//! protobuf `CacheStateUpdate`, `<prefix>.event.<origin>` a `CacheEvent`;
+//! `<origin>` is the appending server's instance id, random per process.
+//! `Nats-Msg-Id` is `<origin>-<n>` so a retried append is stored once.
+//!
+//! Apply-once rule: the receiving server applies its own writes locally
+//! (read-your-writes, and writes keep working while NATS is down) and skips
+//! messages of its own origin when they come back from the stream.
+//!
+//! Concurrency: ingest calls [`LogSink::append`], a non-blocking `try_send`
+//! into a bounded queue (`--nats-buffer`); a full queue drops the append and
+//! counts it. One publisher task drains the queue with up to
+//! `--nats-max-in-flight` unacknowledged publishes and retries a failed one
+//! with the same message id. One consumer task applies the stream in order;
+//! while catching up it sets the index clock to each message's publish time so
+//! replayed entries keep their age (see [`ReplayClock`]).
+//!
+//! Cost: one protobuf encode and one queue send per ingest on the hot path;
+//! everything else runs on the two background tasks. docs/scale-out.md has
+//! the operator's view and the measured numbers.
+
+use std::collections::VecDeque;
+use std::hash::BuildHasher as _;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, stream};
+use bytes::Bytes;
+use futures::stream::FuturesOrdered;
+use futures::{Future, StreamExt as _};
+use inference_cache_index::{self as index, Clock};
+use inference_cache_proto::v1alpha1::{CacheEvent, CacheStateUpdate, PrefixEntry, ReplicaStats};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use prost::Message as _;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::index_runtime::IndexState;
+
+/// Default `--nats-stream`.
+pub const DEFAULT_STREAM: &str = "INFERENCE_CACHE";
+/// Default `--nats-subject-prefix`.
+pub const DEFAULT_SUBJECT_PREFIX: &str = "inferencecache.v1";
+/// Default `--nats-max-age`: the default eviction TTL (30 min) with margin.
+pub const DEFAULT_MAX_AGE: &str = "1h";
+/// Default `--nats-max-bytes`.
+pub const DEFAULT_MAX_BYTES: i64 = 8 << 30;
+/// Default `--nats-duplicate-window`.
+pub const DEFAULT_DUPLICATE_WINDOW: &str = "2m";
+/// Default `--nats-buffer`.
+pub const DEFAULT_BUFFER: u64 = 65_536;
+/// Default `--nats-max-in-flight`.
+pub const DEFAULT_MAX_IN_FLIGHT: u64 = 1_024;
+/// Default `--nats-catch-up-timeout`.
+pub const DEFAULT_CATCH_UP_TIMEOUT: &str = "5m";
+/// Default `--nats-ack-timeout`.
+pub const DEFAULT_ACK_TIMEOUT: &str = "5s";
+
+/// How long the publisher and consumer wait before retrying after an error, at most.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Flags of the shared event log, flattened into `inference-cache serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplicationArgs {
+    /// NATS server URL(s), comma-separated (e.g. nats://nats:4222); enables the shared JetStream event log. Off by default.
+    #[arg(long, env = "INFERENCE_CACHE_NATS_URL")]
+    pub nats_url: Option<String>,
+
+    /// JetStream stream holding the log (created if missing).
+    #[arg(long, default_value = DEFAULT_STREAM, env = "INFERENCE_CACHE_NATS_STREAM")]
+    pub nats_stream: String,
+
+    /// Subject prefix of the log: <prefix>.update.<origin> and <prefix>.event.<origin>.
+    #[arg(long, default_value = DEFAULT_SUBJECT_PREFIX, env = "INFERENCE_CACHE_NATS_SUBJECT_PREFIX")]
+    pub nats_subject_prefix: String,
+
+    /// Stream retention by age, set when the stream is created; keep it at least the longest evictionTTL.
+    #[arg(long, default_value = DEFAULT_MAX_AGE, value_parser = crate::limits::parse_duration, env = "INFERENCE_CACHE_NATS_MAX_AGE")]
+    pub nats_max_age: Duration,
+
+    /// Stream retention by size in bytes (oldest messages go first), set when the stream is created.
+    #[arg(long, default_value_t = DEFAULT_MAX_BYTES, env = "INFERENCE_CACHE_NATS_MAX_BYTES")]
+    pub nats_max_bytes: i64,
+
+    /// Window in which JetStream drops a re-sent append with the same Nats-Msg-Id.
+    #[arg(long, default_value = DEFAULT_DUPLICATE_WINDOW, value_parser = crate::limits::parse_duration, env = "INFERENCE_CACHE_NATS_DUPLICATE_WINDOW")]
+    pub nats_duplicate_window: Duration,
+
+    /// Keep the stream in memory instead of on disk (lost when NATS restarts).
+    #[arg(long, env = "INFERENCE_CACHE_NATS_MEMORY_STORAGE")]
+    pub nats_memory_storage: bool,
+
+    /// Appends queued for the publisher; past it appends are dropped and counted (replication_appends_dropped_total{reason="buffer_full"}).
+    #[arg(long, default_value_t = DEFAULT_BUFFER, value_parser = clap::value_parser!(u64).range(1..), env = "INFERENCE_CACHE_NATS_BUFFER")]
+    pub nats_buffer: u64,
+
+    /// Appends published and not yet acknowledged by JetStream; past it the publisher waits (counted as replication_publish_window_full_total).
+    #[arg(long, default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..), env = "INFERENCE_CACHE_NATS_MAX_IN_FLIGHT")]
+    pub nats_max_in_flight: u64,
+
+    /// How long one append waits for JetStream's acknowledgement before it is retried.
+    #[arg(long, default_value = DEFAULT_ACK_TIMEOUT, value_parser = crate::limits::parse_duration, env = "INFERENCE_CACHE_NATS_ACK_TIMEOUT")]
+    pub nats_ack_timeout: Duration,
+
+    /// Longest /readyz waits for the catch-up from the stream; then the server reports ready anyway (counted, fail open).
+    #[arg(long, default_value = DEFAULT_CATCH_UP_TIMEOUT, value_parser = crate::limits::parse_duration, env = "INFERENCE_CACHE_NATS_CATCH_UP_TIMEOUT")]
+    pub nats_catch_up_timeout: Duration,
+}
+
+impl ReplicationArgs {
+    /// Resolves the flags: `None` without `--nats-url`.
+    pub fn into_settings(self) -> Option<ReplicationSettings> {
+        let url = self.nats_url.filter(|u| !u.trim().is_empty())?;
+        Some(ReplicationSettings {
+            url,
+            stream: self.nats_stream,
+            subject_prefix: self.nats_subject_prefix,
+            max_age: self.nats_max_age,
+            max_bytes: self.nats_max_bytes,
+            duplicate_window: self.nats_duplicate_window,
+            memory_storage: self.nats_memory_storage,
+            buffer: usize::try_from(self.nats_buffer).unwrap_or(usize::MAX),
+            max_in_flight: usize::try_from(self.nats_max_in_flight).unwrap_or(usize::MAX),
+            ack_timeout: self.nats_ack_timeout,
+            catch_up_timeout: self.nats_catch_up_timeout,
+        })
+    }
+}
+
+/// Resolved settings of the shared event log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicationSettings {
+    /// NATS server URL(s), comma-separated.
+    pub url: String,
+    /// Stream name.
+    pub stream: String,
+    /// Subject prefix.
+    pub subject_prefix: String,
+    /// Retention by age.
+    pub max_age: Duration,
+    /// Retention by size.
+    pub max_bytes: i64,
+    /// De-duplication window.
+    pub duplicate_window: Duration,
+    /// Memory instead of file storage.
+    pub memory_storage: bool,
+    /// Queue of appends waiting for the publisher.
+    pub buffer: usize,
+    /// Unacknowledged publishes.
+    pub max_in_flight: usize,
+    /// Acknowledgement timeout of one publish.
+    pub ack_timeout: Duration,
+    /// Longest wait for the catch-up before reporting ready anyway.
+    pub catch_up_timeout: Duration,
+}
+
+impl ReplicationSettings {
+    /// Settings with every default and `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        let duration = |text| crate::limits::parse_duration(text).unwrap_or_default();
+        Self {
+            url: url.into(),
+            stream: DEFAULT_STREAM.to_owned(),
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
+            max_age: duration(DEFAULT_MAX_AGE),
+            max_bytes: DEFAULT_MAX_BYTES,
+            duplicate_window: duration(DEFAULT_DUPLICATE_WINDOW),
+            memory_storage: false,
+            buffer: usize::try_from(DEFAULT_BUFFER).unwrap_or(usize::MAX),
+            max_in_flight: usize::try_from(DEFAULT_MAX_IN_FLIGHT).unwrap_or(usize::MAX),
+            ack_timeout: duration(DEFAULT_ACK_TIMEOUT),
+            catch_up_timeout: duration(DEFAULT_CATCH_UP_TIMEOUT),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+/// Metrics of the shared log (prefix `inferencecache_replication_`).
+#[derive(Debug, Clone, Default)]
+struct ReplicationMetrics {
+    appends: Counter,
+    dropped: Family<ReasonLabel, Counter>,
+    published: Counter,
+    publish_failures: Counter,
+    window_full: Counter,
+    applied: Family<KindLabel, Counter>,
+    skipped_own: Counter,
+    decode_errors: Counter,
+    consumer_restarts: Counter,
+    last_sequence: Gauge,
+    caught_up: Gauge,
+    catch_up_ms: Gauge,
+    catch_up_timeouts: Counter,
+    connected: Gauge,
+}
+
+impl ReplicationMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        let r = registry.sub_registry_with_prefix("replication");
+        r.register(
+            "appends",
+            "Accepted ingests queued for the shared log",
+            m.appends.clone(),
+        );
+        r.register(
+            "appends_dropped",
+            "Appends to the shared log dropped, by reason (buffer_full: --nats-buffer reached; stopped: publisher gone)",
+            m.dropped.clone(),
+        );
+        r.register(
+            "published",
+            "Appends acknowledged by JetStream",
+            m.published.clone(),
+        );
+        r.register(
+            "publish_failures",
+            "Publishes not acknowledged in --nats-ack-timeout or refused; each is retried with its message id",
+            m.publish_failures.clone(),
+        );
+        r.register(
+            "publish_window_full",
+            "Times the publisher waited because --nats-max-in-flight publishes were unacknowledged",
+            m.window_full.clone(),
+        );
+        r.register(
+            "applied",
+            "Log messages of other servers applied to the index, by kind (update, event)",
+            m.applied.clone(),
+        );
+        r.register(
+            "skipped_own",
+            "Log messages of this server skipped when read back (already applied locally)",
+            m.skipped_own.clone(),
+        );
+        r.register(
+            "decode_errors",
+            "Log messages that were not a valid CacheStateUpdate / CacheEvent on a known subject",
+            m.decode_errors.clone(),
+        );
+        r.register(
+            "consumer_restarts",
+            "Times the stream consumer was (re)opened after an error or a lost connection",
+            m.consumer_restarts.clone(),
+        );
+        r.register(
+            "last_sequence",
+            "Stream sequence of the last log message read",
+            m.last_sequence.clone(),
+        );
+        r.register(
+            "caught_up",
+            "1 once the index has applied the stream up to where it was at start-up",
+            m.caught_up.clone(),
+        );
+        r.register(
+            "catch_up_milliseconds",
+            "Time from start-up to caught up",
+            m.catch_up_ms.clone(),
+        );
+        r.register(
+            "catch_up_timeouts",
+            "Start-ups that reported ready after --nats-catch-up-timeout without catching up",
+            m.catch_up_timeouts.clone(),
+        );
+        r.register(
+            "connected",
+            "1 while connected to NATS",
+            m.connected.clone(),
+        );
+        for reason in ["buffer_full", "stopped"] {
+            let _ = m.dropped.get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            });
+        }
+        for kind in [KIND_UPDATE, KIND_EVENT] {
+            let _ = m.applied.get_or_create(&KindLabel {
+                kind: kind.to_owned(),
+            });
+        }
+        m
+    }
+}
+
+const KIND_UPDATE: &str = "update";
+const KIND_EVENT: &str = "event";
+
+/// The index clock while replicating: the wall clock, or, while the log is
+/// replayed at start-up, the publish time of the message being applied, so
+/// replayed entries and heartbeats keep their real age (and ones older than
+/// the TTL expire instead of looking fresh).
+pub struct ReplayClock {
+    base: Arc<dyn Clock>,
+    /// 0 = follow `base`.
+    replaying_at_ms: AtomicU64,
+}
+
+impl ReplayClock {
+    /// Wraps `base`.
+    pub fn new(base: Arc<dyn Clock>) -> Self {
+        Self {
+            base,
+            replaying_at_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn replay_at(&self, ms: u64) {
+        // Never ahead of the wall clock.
+        let ms = ms.min(self.base.now_ms()).max(1);
+        self.replaying_at_ms.store(ms, Ordering::Release);
+    }
+
+    fn follow_wall_clock(&self) {
+        self.replaying_at_ms.store(0, Ordering::Release);
+    }
+}
+
+impl Clock for ReplayClock {
+    fn now_ms(&self) -> u64 {
+        match self.replaying_at_ms.load(Ordering::Acquire) {
+            0 => self.base.now_ms(),
+            ms => ms,
+        }
+    }
+}
+
+/// One append waiting for the publisher.
+#[derive(Debug)]
+enum LogEntry {
+    Update(CacheStateUpdate),
+    Event(CacheEvent),
+}
+
+/// The append side, held by the index runtime: never blocks, never fails the caller.
+pub struct LogSink {
+    queue: mpsc::Sender<LogEntry>,
+    metrics: ReplicationMetrics,
+}
+
+impl LogSink {
+    /// Queues an accepted update (after limits).
+    pub fn append_update(&self, update: &index::CacheUpdate) {
+        self.append(LogEntry::Update(wire_update(update)));
+    }
+
+    /// Queues an accepted event.
+    pub fn append_event(&self, event: &index::CacheEvent) {
+        self.append(LogEntry::Event(crate::streams::wire_event(event)));
+    }
+
+    fn append(&self, entry: LogEntry) {
+        let reason = match self.queue.try_send(entry) {
+            Ok(()) => {
+                self.metrics.appends.inc();
+                return;
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => "buffer_full",
+            Err(mpsc::error::TrySendError::Closed(_)) => "stopped",
+        };
+        self.metrics
+            .dropped
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+}
+
+/// The index update as the wire message the log carries, stamped now.
+fn wire_update(update: &index::CacheUpdate) -> CacheStateUpdate {
+    CacheStateUpdate {
+        replica_id: update.replica_id.clone(),
+        model_id: update.model_id.clone(),
+        tenant_id: update.tenant_id.clone(),
+        hash_scheme: update.hash_scheme.clone(),
+        timestamp_us: crate::streams::now_us(),
+        prefixes: update
+            .prefixes
+            .iter()
+            .map(|p| PrefixEntry {
+                prefix_hash: p.prefix_hash.clone(),
+                token_count: p.token_count,
+                block_hashes: p.block_hashes.clone(),
+                block_token_counts: p.block_token_counts.clone(),
+                tier: p.tier as i32,
+                adapter_id: p.adapter_id.clone(),
+            })
+            .collect(),
+        stats: update.stats.as_ref().map(|s| ReplicaStats {
+            replica_id: s.replica_id.clone(),
+            cache_memory_bytes: s.cache_memory_bytes,
+            hit_rate: s.hit_rate,
+            pressure: s.pressure,
+            client_version: s.client_version.clone(),
+            t2_hit_tokens: s.t2_hit_tokens,
+            t2_query_tokens: s.t2_query_tokens,
+            requests_waiting: s.requests_waiting,
+            requests_running: s.requests_running,
+            kv_cache_usage: s.kv_cache_usage,
+        }),
+        adapter_id: update.adapter_id.clone(),
+    }
+}
+
+/// Catch-up state shared by the consumer, the timeout and `/readyz`.
+struct CatchUp {
+    done: AtomicBool,
+    started: Instant,
+    ready: Arc<AtomicBool>,
+    not_ready: CancellationToken,
+}
+
+impl CatchUp {
+    fn finish(&self, metrics: &ReplicationMetrics, clock: &ReplayClock, timed_out: bool) {
+        if self.done.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        clock.follow_wall_clock();
+        let ms = i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX);
+        if timed_out {
+            metrics.catch_up_timeouts.inc();
+            tracing::warn!(
+                ms,
+                "not caught up with the shared log in --nats-catch-up-timeout; reporting ready anyway"
+            );
+        } else {
+            metrics.caught_up.set(1);
+            metrics.catch_up_ms.set(ms);
+            tracing::info!(ms, "caught up with the shared log");
+        }
+        // A shutdown already under way keeps /readyz at 503.
+        if !self.not_ready.is_cancelled() {
+            self.ready.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Connects to NATS (in the background: a server that cannot reach NATS
+/// still starts and serves), hooks the log sink into `state`, and starts the
+/// publisher and the consumer. `ready` is set once the stream is caught up
+/// (or the catch-up timeout passed) unless `shutdown` was cancelled first;
+/// both tasks stop with `stop`.
+pub async fn start(
+    settings: ReplicationSettings,
+    state: Arc<IndexState>,
+    clock: Arc<ReplayClock>,
+    registry: &mut Registry,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let metrics = ReplicationMetrics::register(registry);
+    let origin = instance_id();
+    let connected = metrics.connected.clone();
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(2))
+        .event_callback(move |event| {
+            let connected = connected.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => {
+                        connected.set(1);
+                    }
+                    async_nats::Event::Disconnected => {
+                        connected.set(0);
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .connect(settings.url.as_str())
+        .await
+        .map_err(|e| anyhow::anyhow!("NATS {}: {e}", settings.url))?;
+    let mut js = jetstream::new(client);
+    js.set_timeout(settings.ack_timeout);
+
+    let (queue, rx) = mpsc::channel(settings.buffer);
+    state.set_log_sink(Arc::new(LogSink {
+        queue,
+        metrics: metrics.clone(),
+    }));
+    let catch_up = Arc::new(CatchUp {
+        done: AtomicBool::new(false),
+        started: Instant::now(),
+        ready,
+        not_ready: shutdown,
+    });
+    tracing::info!(url = %settings.url, stream = %settings.stream, %origin, "shared log enabled");
+    let log = Arc::new(Log {
+        js,
+        settings,
+        origin,
+        metrics,
+    });
+    {
+        let log = Arc::clone(&log);
+        let stop = stop.clone();
+        tokio::spawn(async move { log.publish_loop(rx, stop).await });
+    }
+    {
+        let (log, catch_up, clock) = (Arc::clone(&log), Arc::clone(&catch_up), clock.clone());
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = tokio::time::sleep(log.settings.catch_up_timeout) => {
+                    catch_up.finish(&log.metrics, &clock, true);
+                }
+            }
+        });
+    }
+    tokio::spawn(async move { log.consume_loop(state, clock, catch_up, stop).await });
+    Ok(())
+}
+
+/// A random instance id: 16 hex digits.
+fn instance_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let seed = std::collections::hash_map::RandomState::new().hash_one((nanos, std::process::id()));
+    format!("{seed:016x}")
+}
+
+type AckFuture = Pin<Box<dyn Future<Output = (Outgoing, bool)> + Send>>;
+
+/// An encoded append.
+#[derive(Clone)]
+struct Outgoing {
+    subject: String,
+    msg_id: String,
+    payload: Bytes,
+}
+
+struct Log {
+    js: jetstream::Context,
+    settings: ReplicationSettings,
+    origin: String,
+    metrics: ReplicationMetrics,
+}
+
+impl Log {
+    fn encode(&self, entry: LogEntry, n: u64) -> Outgoing {
+        let (kind, payload) = match entry {
+            LogEntry::Update(u) => (KIND_UPDATE, u.encode_to_vec()),
+            LogEntry::Event(e) => (KIND_EVENT, e.encode_to_vec()),
+        };
+        Outgoing {
+            subject: format!("{}.{kind}.{}", self.settings.subject_prefix, self.origin),
+            msg_id: format!("{}-{n}", self.origin),
+            payload: Bytes::from(payload),
+        }
+    }
+
+    /// Sends one publish and returns the future of its acknowledgement.
+    fn send(&self, out: Outgoing) -> AckFuture {
+        let js = self.js.clone();
+        let timeout = self.settings.ack_timeout;
+        Box::pin(async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, out.msg_id.as_str());
+            let acked = tokio::time::timeout(timeout, async {
+                let ack = js
+                    .publish_with_headers(out.subject.clone(), headers, out.payload.clone())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ack.await.map_err(|e| e.to_string())
+            })
+            .await;
+            let ok = match acked {
+                Ok(Ok(_)) => true,
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, msg_id = %out.msg_id, "append not acknowledged");
+                    false
+                }
+                Err(_) => false,
+            };
+            (out, ok)
+        })
+    }
+
+    /// Drains the queue into JetStream: up to `max_in_flight` unacknowledged
+    /// publishes; a failed one is retried (same message id) after a backoff
+    /// that doubles up to [`MAX_BACKOFF`] while failures go on.
+    async fn publish_loop(&self, mut rx: mpsc::Receiver<LogEntry>, stop: CancellationToken) {
+        let window = self.settings.max_in_flight;
+        let mut in_flight: FuturesOrdered<AckFuture> = FuturesOrdered::new();
+        let mut retry: VecDeque<Outgoing> = VecDeque::new();
+        let mut delay = Duration::ZERO;
+        let mut waiting = false;
+        let mut n: u64 = 0;
+        loop {
+            // Retries go first; the queue only when nothing waits for a retry.
+            if !waiting {
+                while in_flight.len() < window {
+                    let Some(out) = retry.pop_front() else { break };
+                    in_flight.push_back(self.send(out));
+                }
+            }
+            let take_new = retry.is_empty() && in_flight.len() < window;
+            if retry.is_empty() && in_flight.len() >= window {
+                self.metrics.window_full.inc();
+            }
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                Some((out, ok)) = in_flight.next(), if !in_flight.is_empty() => {
+                    if ok {
+                        self.metrics.published.inc();
+                        delay = Duration::ZERO;
+                    } else {
+                        self.metrics.publish_failures.inc();
+                        retry.push_back(out);
+                        delay = (delay * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
+                        waiting = true;
+                    }
+                }
+                () = tokio::time::sleep(delay), if waiting && in_flight.is_empty() => {
+                    waiting = false;
+                }
+                entry = rx.recv(), if take_new => {
+                    let Some(entry) = entry else { break };
+                    n += 1;
+                    let out = self.encode(entry, n);
+                    in_flight.push_back(self.send(out));
+                }
+            }
+        }
+    }
+
+    async fn open_stream(&self) -> anyhow::Result<stream::Stream> {
+        let config = stream::Config {
+            name: self.settings.stream.clone(),
+            subjects: vec![format!("{}.>", self.settings.subject_prefix)],
+            max_age: self.settings.max_age,
+            max_bytes: self.settings.max_bytes,
+            duplicate_window: self.settings.duplicate_window,
+            storage: if self.settings.memory_storage {
+                stream::StorageType::Memory
+            } else {
+                stream::StorageType::File
+            },
+            discard: stream::DiscardPolicy::Old,
+            ..Default::default()
+        };
+        self.js
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| anyhow::anyhow!("stream {}: {e}", self.settings.stream))
+    }
+
+    /// Reads the stream from `next_sequence` and applies it, forever: on any
+    /// error the consumer is reopened where it stopped, after a backoff.
+    async fn consume_loop(
+        &self,
+        state: Arc<IndexState>,
+        clock: Arc<ReplayClock>,
+        catch_up: Arc<CatchUp>,
+        stop: CancellationToken,
+    ) {
+        let mut next_sequence: u64 = 1;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let opened = tokio::select! {
+                () = stop.cancelled() => return,
+                opened = self.open_consumer(next_sequence) => opened,
+            };
+            let (mut messages, target) = match opened {
+                Ok(opened) => opened,
+                Err(error) => {
+                    tracing::debug!(%error, "shared log not reachable, retrying");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    continue;
+                }
+            };
+            self.metrics.consumer_restarts.inc();
+            backoff = Duration::from_millis(50);
+            if target < next_sequence {
+                catch_up.finish(&self.metrics, &clock, false);
+            }
+            loop {
+                let message = tokio::select! {
+                    () = stop.cancelled() => return,
+                    m = messages.next() => m,
+                };
+                let message = match message {
+                    Some(Ok(m)) => m,
+                    Some(Err(error)) => {
+                        tracing::debug!(%error, "shared log consumer error, reopening");
+                        break;
+                    }
+                    None => break,
+                };
+                let Ok(info) = message.info() else {
+                    self.metrics.decode_errors.inc();
+                    continue;
+                };
+                let sequence = info.stream_sequence;
+                let pending = info.pending;
+                let published_ms =
+                    u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+                if !catch_up.done.load(Ordering::Acquire) {
+                    clock.replay_at(published_ms);
+                }
+                self.apply(&state, &message.subject, &message.payload);
+                next_sequence = sequence + 1;
+                self.metrics
+                    .last_sequence
+                    .set(i64::try_from(sequence).unwrap_or(i64::MAX));
+                if sequence >= target || pending == 0 {
+                    catch_up.finish(&self.metrics, &clock, false);
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+        }
+    }
+
+    /// An ordered consumer from `start` and the stream's last sequence now.
+    async fn open_consumer(&self, start: u64) -> anyhow::Result<(consumer::pull::Ordered, u64)> {
+        let mut stream = self.open_stream().await?;
+        let target = stream
+            .info()
+            .await
+            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?
+            .state
+            .last_sequence;
+        let consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start,
+                },
+                filter_subject: format!("{}.>", self.settings.subject_prefix),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("consumer: {e}"))?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| anyhow::anyhow!("consumer messages: {e}"))?;
+        Ok((messages, target))
+    }
+
+    /// Applies one log message of another server; skips this server's own.
+    fn apply(&self, state: &IndexState, subject: &str, payload: &[u8]) {
+        let Some((kind, origin)) = subject
+            .strip_prefix(self.settings.subject_prefix.as_str())
+            .and_then(|rest| rest.strip_prefix('.'))
+            .and_then(|rest| rest.split_once('.'))
+        else {
+            self.metrics.decode_errors.inc();
+            return;
+        };
+        if origin == self.origin {
+            self.metrics.skipped_own.inc();
+            return;
+        }
+        let applied = match kind {
+            KIND_UPDATE => CacheStateUpdate::decode(payload)
+                .map(|u| state.apply_replicated_update(&crate::grpc::cache_update(u)))
+                .is_ok(),
+            KIND_EVENT => CacheEvent::decode(payload)
+                .ok()
+                .and_then(|e| crate::streams::index_event(&e))
+                .map(|e| state.apply_replicated_event(&e))
+                .is_some(),
+            _ => false,
+        };
+        if applied {
+            self.metrics
+                .applied
+                .get_or_create(&KindLabel {
+                    kind: kind.to_owned(),
+                })
+                .inc();
+        } else {
+            self.metrics.decode_errors.inc();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inference_cache_index::ManualClock;
+
+    #[test]
+    fn replay_clock_follows_message_time_then_the_wall_clock() {
+        let base = ManualClock::new(1_000_000);
+        let clock = ReplayClock::new(Arc::new(base.clone()));
+        assert_eq!(clock.now_ms(), 1_000_000);
+        clock.replay_at(400_000);
+        assert_eq!(clock.now_ms(), 400_000);
+        // Never ahead of the wall clock.
+        clock.replay_at(2_000_000);
+        assert_eq!(clock.now_ms(), 1_000_000);
+        clock.follow_wall_clock();
+        base.advance(Duration::from_secs(1));
+        assert_eq!(clock.now_ms(), 1_001_000);
+    }
+
+    #[test]
+    fn wire_update_round_trips_through_the_index_conversion() {
+        let update = index::CacheUpdate {
+            replica_id: "r".into(),
+            model_id: "m".into(),
+            tenant_id: "t".into(),
+            hash_scheme: "vllm".into(),
+            adapter_id: "lora".into(),
+            prefixes: vec![index::PrefixReport {
+                prefix_hash: vec![1; 8],
+                token_count: 32,
+                block_hashes: vec![vec![2; 8], vec![3; 8]],
+                block_token_counts: vec![16, 16],
+                tier: index::Tier::T2,
+                adapter_id: "a".into(),
+            }],
+            stats: Some(index::ReplicaStatsReport {
+                replica_id: "r".into(),
+                pressure: 0.5,
+                hit_rate: 0.25,
+                requests_waiting: 3,
+                ..Default::default()
+            }),
+        };
+        let wire = wire_update(&update);
+        assert!(wire.timestamp_us > 0);
+        let bytes = wire.encode_to_vec();
+        let back = crate::grpc::cache_update(CacheStateUpdate::decode(&bytes[..]).expect("decode"));
+        assert_eq!(back, update);
+    }
+
+    #[test]
+    fn instance_ids_differ_and_are_subject_tokens() {
+        let (a, b) = (instance_id(), instance_id());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 16);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+}
