@@ -293,7 +293,8 @@ impl CacheIndex {
         {
             let mut w = self.store.write();
             // New entries this update may still add under the global cap.
-            let global_room = (self.max_entries() as i64).saturating_sub(w.entries() as i64);
+            let cap = i64::try_from(self.max_entries()).unwrap_or(i64::MAX);
+            let global_room = cap.saturating_sub(i64::try_from(w.entries()).unwrap_or(i64::MAX));
             let mut holding = Holding {
                 room: global_room.min(quota_room),
                 max_holders: self.max_holders_per_key(),

@@ -1,14 +1,20 @@
-//! Property tests of the chain matcher over random holdings.
+//! Property tests of the chain matcher and the store.
 //!
-//! Each case gives up to six replicas a random subset of a 12-block chain and
+//! The first gives up to six replicas a random subset of a 12-block chain and
 //! asks for a random prefix of it; the properties are checked against a
-//! straightforward model of the longest-leading-run rule.
+//! straightforward model of the longest-leading-run rule. The second runs
+//! random interleavings of stores (whole, from the middle of a chain, or with
+//! every other block missing; chains longer than a run), removals,
+//! ALL_CLEARED, TTL sweeps, capacity evictions and lookups against a
+//! reference map of (replica, block) → (last seen, tier), and checks every
+//! lookup's holders, matched tokens and tiers and the entry and key counts
+//! after every step.
 
 use std::sync::Arc;
 
 use inference_cache_index::{
-    BlockHashes, CacheIndex, CacheUpdate, Chain, LookupRequest, ManualClock, PolicySet,
-    PrefixReport, Reason,
+    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, Clock, EventKind, LookupRequest,
+    ManualClock, PolicySet, PrefixReport, Reason, Tier,
 };
 use proptest::prelude::*;
 
@@ -73,5 +79,217 @@ proptest! {
                 prop_assert!(pair[0].score >= pair[1].score);
             }
         }
+    }
+}
+
+/// One step of the model-based test.
+#[derive(Debug, Clone)]
+enum Op {
+    /// `replica` reports blocks `start..start + len` of chain `family`
+    /// (every other one when `sparse`) at `tier`.
+    Store {
+        replica: usize,
+        family: u64,
+        start: u64,
+        len: u64,
+        sparse: bool,
+        tier: i32,
+    },
+    /// PREFIX_EVICTED of one block.
+    Remove {
+        replica: usize,
+        family: u64,
+        block: u64,
+    },
+    /// ALL_CLEARED of a replica.
+    Clear { replica: usize },
+    /// A sweep (TTL expiry).
+    Sweep,
+    /// Capacity eviction of every entry older than the `nth` distinct
+    /// report time (so no tie straddles the cut).
+    Evict { nth: usize },
+    /// A chain lookup of blocks `0..len` of a family.
+    Lookup { family: u64, len: u64 },
+}
+
+const FAMILIES: u64 = 3;
+const LONGEST: u64 = 150;
+const REPLICAS: usize = 4;
+const TTL_SECS: u64 = 12;
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..REPLICAS, 0..FAMILIES, 0..LONGEST, 1..LONGEST, any::<bool>(), 0..4i32).prop_map(
+            |(replica, family, start, len, sparse, tier)| Op::Store {
+                replica,
+                family,
+                start: start / 2,
+                len,
+                sparse,
+                tier,
+            }
+        ),
+        2 => (0..REPLICAS, 0..FAMILIES, 0..LONGEST)
+            .prop_map(|(replica, family, block)| Op::Remove { replica, family, block }),
+        1 => (0..REPLICAS).prop_map(|replica| Op::Clear { replica }),
+        1 => Just(Op::Sweep),
+        1 => (0..8usize).prop_map(|nth| Op::Evict { nth }),
+        4 => (0..FAMILIES, 1..LONGEST).prop_map(|(family, len)| Op::Lookup { family, len }),
+    ]
+}
+
+fn key(family: u64, block: u64) -> Vec<u8> {
+    ((family << 40) | block).to_be_bytes().to_vec()
+}
+
+/// The reference: (replica, family, block) → (last seen s, tier).
+type Reference = std::collections::BTreeMap<(usize, u64, u64), (u64, i32)>;
+
+fn event(kind: EventKind, replica: usize, hash: Vec<u8>) -> CacheEvent {
+    CacheEvent {
+        kind,
+        replica_id: format!("r{replica}"),
+        model_id: String::new(),
+        tenant_id: String::new(),
+        prefix_hash: hash,
+        adapter_id: String::new(),
+    }
+}
+
+fn run_model(ops: &[Op]) -> Result<(), TestCaseError> {
+    let clock = ManualClock::default();
+    let index = CacheIndex::new(Arc::new(clock.clone()), u64::MAX);
+    let policy = format!(
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+metadata: {{name: open, namespace: \"*\"}}\nspec: {{ranker: Contract, minimumMatchedTokens: 0, minimumPrefixTokens: 0, routingFloorScore: \"0\", \
+affinityRouting: Disabled, evictionTTL: {TTL_SECS}s, replicaTimeout: 1h}}\n"
+    );
+    index.set_policies(PolicySet::from_yaml(&policy).expect("policy"));
+    let mut reference = Reference::new();
+    for op in ops {
+        clock.advance(std::time::Duration::from_secs(1));
+        let now = clock.now_ms() / 1000;
+        match *op {
+            Op::Store {
+                replica,
+                family,
+                start,
+                len,
+                sparse,
+                tier,
+            } => {
+                let blocks: Vec<u64> = (start..start + len)
+                    .filter(|b| !sparse || b % 2 == 0)
+                    .collect();
+                let prefix = PrefixReport {
+                    block_hashes: blocks.iter().map(|&b| key(family, b)).collect(),
+                    block_token_counts: vec![16; blocks.len()],
+                    tier: Tier::from_i32(tier),
+                    ..Default::default()
+                };
+                index.ingest(&CacheUpdate {
+                    replica_id: format!("r{replica}"),
+                    tenant_id: "t".into(),
+                    model_id: "m".into(),
+                    hash_scheme: "vllm".into(),
+                    prefixes: vec![prefix],
+                    ..Default::default()
+                });
+                for b in blocks {
+                    reference.insert((replica, family, b), (now, tier.max(1)));
+                }
+            }
+            Op::Remove {
+                replica,
+                family,
+                block,
+            } => {
+                let report = index.publish(&event(
+                    EventKind::PrefixEvicted,
+                    replica,
+                    key(family, block),
+                ));
+                let held = reference.remove(&(replica, family, block)).is_some();
+                prop_assert_eq!(report.entries_removed, u64::from(held));
+            }
+            Op::Clear { replica } => {
+                let report = index.publish(&event(EventKind::AllCleared, replica, Vec::new()));
+                let before = reference.len();
+                reference.retain(|&(r, ..), _| r != replica);
+                prop_assert_eq!(report.entries_removed as usize, before - reference.len());
+            }
+            Op::Sweep => {
+                let report = index.sweep();
+                let before = reference.len();
+                reference.retain(|_, &mut (seen, _)| seen + TTL_SECS >= now);
+                prop_assert_eq!(report.ttl as usize, before - reference.len());
+            }
+            Op::Evict { nth } => {
+                let mut times: Vec<u64> = reference.values().map(|&(s, _)| s).collect();
+                times.sort_unstable();
+                times.dedup();
+                let Some(&cut) = times.get(nth) else { continue };
+                // The sweep expires first; the cap then evicts what is older than `cut`.
+                reference.retain(|_, &mut (seen, _)| seen + TTL_SECS >= now);
+                let keep = reference.values().filter(|&&(s, _)| s >= cut).count();
+                index.set_max_entries(keep as u64);
+                index.sweep();
+                index.set_max_entries(u64::MAX);
+                reference.retain(|_, &mut (seen, _)| seen >= cut);
+            }
+            Op::Lookup { family, len } => {
+                let blocks: Vec<Vec<u8>> = (0..len).map(|b| key(family, b)).collect();
+                let counts = vec![16; blocks.len()];
+                let mut request = LookupRequest::new("t", "m", "vllm");
+                request.chain = Some(Chain {
+                    hashes: BlockHashes::Bytes(&blocks),
+                    token_counts: &counts,
+                });
+                let outcome = index.lookup(&request);
+                let mut expected: Vec<(String, i32, i32)> = Vec::new();
+                for r in 0..REPLICAS {
+                    let run: Vec<i32> = (0..len)
+                        .map_while(|b| reference.get(&(r, family, b)).map(|&(_, t)| t))
+                        .collect();
+                    if !run.is_empty() {
+                        let coldest = run.iter().copied().max().unwrap_or(1);
+                        expected.push((format!("r{r}"), 16 * run.len() as i32, coldest));
+                    }
+                }
+                let mut got: Vec<(String, i32, i32)> = outcome
+                    .scores
+                    .iter()
+                    .map(|s| (s.replica_id.to_string(), s.matched_tokens, s.tier as i32))
+                    .collect();
+                got.sort();
+                prop_assert_eq!(
+                    &got,
+                    &expected,
+                    "{:?} of family {} up to {}",
+                    outcome.reason,
+                    family,
+                    len
+                );
+                prop_assert_eq!(outcome.reason == Reason::PrefixMatch, !expected.is_empty());
+            }
+        }
+        let blocks: std::collections::BTreeSet<(u64, u64)> =
+            reference.keys().map(|&(_, f, b)| (f, b)).collect();
+        prop_assert_eq!(
+            index.entry_count(),
+            reference.len() as i64,
+            "after {:?}",
+            op
+        );
+        prop_assert_eq!(index.prefix_count(), blocks.len() as i64, "after {:?}", op);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #[test]
+    fn store_matches_reference_index(ops in prop::collection::vec(op(), 1..60)) {
+        run_model(&ops)?;
     }
 }

@@ -18,6 +18,8 @@ const REPLICAS: u64 = 6;
 const CHAIN: u64 = 256;
 const ROUND: Duration = Duration::from_millis(1500);
 const WATCHDOG: Duration = Duration::from_secs(20);
+/// Global entry cap of the index under test (small, so ingest hits it).
+const CAP: u64 = 2_000;
 
 fn policy(ranker: &str) -> PolicySet {
     let doc = format!(
@@ -63,7 +65,7 @@ fn event(kind: EventKind, r: u64, hash: Vec<u8>) -> CacheEvent {
 
 /// One round: `threads` workers for `ROUND`; returns lookups answered.
 fn round(seed: u64, threads: usize) -> u64 {
-    let index = Arc::new(CacheIndex::new(Arc::new(SystemClock), 200_000));
+    let index = Arc::new(CacheIndex::new(Arc::new(SystemClock), CAP));
     index.set_policies(policy(if seed.is_multiple_of(2) {
         "CostAware"
     } else {
@@ -83,6 +85,7 @@ fn round(seed: u64, threads: usize) -> u64 {
                 n
             };
             let counts = vec![16; CHAIN as usize];
+            let ranker_is_contract = !seed.is_multiple_of(2);
             while !stop.load(Ordering::Relaxed) {
                 let family = next() % 4;
                 let r = next() % REPLICAS;
@@ -97,10 +100,18 @@ fn round(seed: u64, threads: usize) -> u64 {
                             token_counts: &counts[..len as usize],
                         });
                         let out = index.lookup(&req);
-                        for s in &out.scores {
+                        for (i, s) in out.scores.iter().enumerate() {
                             let known = (0..REPLICAS).any(|r| *s.replica_id == replica(r));
                             assert!(known, "unknown replica {}", s.replica_id);
                             assert!(i64::from(s.matched_tokens) <= 16 * len as i64);
+                            assert!(
+                                out.scores[..i].iter().all(|o| o.replica_id != s.replica_id),
+                                "{} named twice",
+                                s.replica_id
+                            );
+                            if out.reason == Reason::PrefixMatch && ranker_is_contract {
+                                assert!(s.matched_tokens > 0 && s.matched_tokens % 16 == 0);
+                            }
                         }
                         if out.reason == Reason::PrefixMatch {
                             assert!(!out.scores.is_empty());
@@ -148,7 +159,71 @@ fn round(seed: u64, threads: usize) -> u64 {
     for h in handles {
         h.join().expect("worker panicked");
     }
+    // The cap holds at ingest: never above it by more than one update.
+    assert!(index.entry_count() <= CAP as i64 + CHAIN as i64);
+    assert!(index.prefix_count() <= index.entry_count());
+    if !seed.is_multiple_of(2) {
+        quiescent_check(&index);
+    }
     lookups.load(Ordering::Relaxed)
+}
+
+/// Once writers stop, every chain answer must agree with the per-block
+/// state read through exact lookups: each holder of block 0 is named, with
+/// the tokens of its leading run of held blocks.
+fn quiescent_check(index: &CacheIndex) {
+    // No floors, so every holder of a key is named.
+    let open = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {name: p, namespace: \"*\"}\nspec: {ranker: Contract, minimumMatchedTokens: 0, routingFloorScore: \"0\", affinityRouting: Disabled}\n";
+    index.set_policies(PolicySet::from_yaml(open).expect("policy"));
+    let counts = vec![16; CHAIN as usize];
+    for family in 0..4 {
+        let hashes = chain(family, CHAIN);
+        let holders: Vec<Vec<String>> = hashes
+            .iter()
+            .map(|h| {
+                let mut req = LookupRequest::new("t", "m", "vllm");
+                req.prefix_hash = h;
+                req.prefix_token_count = 16;
+                let out = index.lookup(&req);
+                if out.reason == Reason::PrefixMatch {
+                    out.scores
+                        .iter()
+                        .map(|s| s.replica_id.to_string())
+                        .collect()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let mut expected: Vec<(String, i32)> = (0..REPLICAS)
+            .map(replica)
+            .map(|r| {
+                let run = holders.iter().take_while(|h| h.contains(&r)).count();
+                (r, 16 * run as i32)
+            })
+            .filter(|&(_, tokens)| tokens >= 16)
+            .collect();
+        expected.sort();
+        let mut req = LookupRequest::new("t", "m", "vllm");
+        req.chain = Some(Chain {
+            hashes: BlockHashes::Bytes(&hashes),
+            token_counts: &counts,
+        });
+        let out = index.lookup(&req);
+        let mut got: Vec<(String, i32)> = if out.reason == Reason::PrefixMatch {
+            out.scores
+                .iter()
+                .map(|s| (s.replica_id.to_string(), s.matched_tokens))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        got.sort();
+        assert_eq!(
+            got, expected,
+            "family {family}: chain answer vs per-block state"
+        );
+    }
 }
 
 #[test]
