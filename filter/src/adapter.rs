@@ -6,6 +6,10 @@
 //! an `Rc` of the settings and metric ids (counters and histograms). Each HTTP context implements
 //! [`Host`] with proxy-wasm host calls; header values are read as bytes so
 //! non-UTF-8 request data can never panic. Nothing here decides anything.
+//!
+//! The root context also owns the worker's [`OutcomeReporter`]: HTTP
+//! contexts push measured outcomes into the shared buffer, and the timer
+//! tick (every `outcome_flush_ms`; none when it is 0) sends them.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -17,7 +21,8 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{self, BufferType, ContextType, MapType, MetricType};
 
 use crate::{
-    Action, DispatchError, Host, LogLevel, RequestFlow, Settings, all_histograms, all_metrics,
+    Action, DispatchError, Host, LogLevel, OutcomeBuffer, OutcomeReporter, ReportHost, RequestFlow,
+    Settings, SharedBuffer, all_histograms, all_metrics,
 };
 
 proxy_wasm::main! {{
@@ -30,9 +35,20 @@ type MetricIds = Rc<RefCell<HashMap<&'static str, u32>>>;
 struct FilterRoot {
     settings: Option<Rc<Settings>>,
     metrics: MetricIds,
+    outcomes: Option<SharedBuffer>,
+    reporter: Option<OutcomeReporter>,
 }
 
-impl Context for FilterRoot {}
+impl Context for FilterRoot {
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, _response_size: usize) {
+        let mut host = EnvoyHost {
+            metrics: self.metrics.clone(),
+        };
+        if let Some(reporter) = &mut self.reporter {
+            reporter.on_response(&mut host, token_id, status_code);
+        }
+    }
+}
 
 impl RootContext for FilterRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -62,7 +78,22 @@ impl RootContext for FilterRoot {
                         settings.timeout.as_millis()
                     ),
                 );
-                self.settings = Some(Rc::new(settings));
+                let settings = Rc::new(settings);
+                if settings.outcome_flush.is_zero() {
+                    self.outcomes = None;
+                    self.reporter = None;
+                } else {
+                    let buffer = Rc::new(RefCell::new(OutcomeBuffer::new(
+                        settings.outcome_buffer_max,
+                    )));
+                    self.reporter = Some(OutcomeReporter::new(
+                        Rc::clone(&settings),
+                        Rc::clone(&buffer),
+                    ));
+                    self.outcomes = Some(buffer);
+                    self.set_tick_period(settings.outcome_flush);
+                }
+                self.settings = Some(settings);
                 true
             }
             Err(error) => {
@@ -75,10 +106,23 @@ impl RootContext for FilterRoot {
         }
     }
 
+    fn on_tick(&mut self) {
+        let mut host = EnvoyHost {
+            metrics: self.metrics.clone(),
+        };
+        if let Some(reporter) = &mut self.reporter {
+            reporter.on_tick(&mut host);
+        }
+    }
+
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let settings = self.settings.clone()?;
+        let mut flow = RequestFlow::new(settings);
+        if let Some(buffer) = &self.outcomes {
+            flow = flow.with_outcome_sink(Rc::clone(buffer));
+        }
         Some(Box::new(FilterStream {
-            flow: RequestFlow::new(settings),
+            flow,
             host: EnvoyHost {
                 metrics: self.metrics.clone(),
             },
@@ -260,6 +304,30 @@ impl Host for EnvoyHost {
         let id = self.metrics.borrow().get(name).copied();
         if let Some(id) = id {
             let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    fn log(&self, level: LogLevel, message: &str) {
+        log(level, message);
+    }
+}
+
+impl ReportHost for EnvoyHost {
+    fn dispatch_grpc(
+        &mut self,
+        upstream: &str,
+        service: &str,
+        method: &str,
+        message: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, DispatchError> {
+        Host::dispatch_grpc(self, upstream, service, method, message, timeout)
+    }
+
+    fn add_counter(&mut self, name: &'static str, amount: u64) {
+        let id = self.metrics.borrow().get(name).copied();
+        if let (Some(id), Ok(amount)) = (id, i64::try_from(amount)) {
+            let _ = hostcalls::increment_metric(id, amount);
         }
     }
 

@@ -29,6 +29,12 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 /// Default `max_response_body_bytes`: the most of one response copied to measure cache reuse.
 pub const DEFAULT_MAX_RESPONSE_BODY_BYTES: usize = 1 << 20;
+/// Default `outcome_flush_ms`: how often a worker sends its buffered outcomes.
+pub const DEFAULT_OUTCOME_FLUSH_MS: u64 = 1000;
+/// Default `outcome_batch_max`: most outcomes in one `ReportOutcomes` call.
+pub const DEFAULT_OUTCOME_BATCH_MAX: usize = 256;
+/// Default `outcome_buffer_max`: most outcomes a worker holds between reports.
+pub const DEFAULT_OUTCOME_BUFFER_MAX: usize = 1024;
 /// Default `routable_reasons`.
 pub const DEFAULT_ROUTABLE_REASONS: [&str; 3] = [
     reason::PREFIX_MATCH,
@@ -39,6 +45,8 @@ pub const DEFAULT_ROUTABLE_REASONS: [&str; 3] = [
 const MAX_TIMEOUT_MS: u64 = 60_000;
 const MAX_BLOCK_SIZE: u64 = 4096;
 const MAX_BODY_LIMIT: u64 = 256 << 20;
+const MAX_OUTCOME_FLUSH_MS: u64 = 60_000;
+const MAX_OUTCOME_COUNT: u64 = 100_000;
 
 /// A configuration the filter cannot run with; names the field and the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -167,6 +175,16 @@ pub struct Settings {
     /// response is untouched. `0` turns the measurement off. vLLM reports
     /// `cached_tokens` only when started with `--enable-prompt-tokens-details`.
     pub max_response_body_bytes: usize,
+    /// How often each worker sends its measured outcomes to the server
+    /// (`ReportOutcomes`, off the request path); also that call's timeout.
+    /// Zero turns reporting off (the local accuracy counters remain).
+    pub outcome_flush: Duration,
+    /// Most outcomes in one `ReportOutcomes` call; the rest wait for the next tick.
+    pub outcome_batch_max: usize,
+    /// Most outcomes a worker holds between reports; past it outcomes are
+    /// dropped (counter `inferencecache_filter.outcomes.dropped`) and the
+    /// server is told how many.
+    pub outcome_buffer_max: usize,
 }
 
 impl Settings {
@@ -193,6 +211,9 @@ impl Settings {
                 .collect(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_response_body_bytes: DEFAULT_MAX_RESPONSE_BODY_BYTES,
+            outcome_flush: Duration::from_millis(DEFAULT_OUTCOME_FLUSH_MS),
+            outcome_batch_max: DEFAULT_OUTCOME_BATCH_MAX,
+            outcome_buffer_max: DEFAULT_OUTCOME_BUFFER_MAX,
         }
     }
 
@@ -306,6 +327,20 @@ impl Settings {
                 self.max_response_body_bytes = usize::try_from(size)
                     .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
             }
+            "outcome_flush_ms" => {
+                let millis = integer_in(key, value, 0, MAX_OUTCOME_FLUSH_MS)?;
+                self.outcome_flush = Duration::from_millis(millis);
+            }
+            "outcome_batch_max" => {
+                let count = integer_in(key, value, 1, MAX_OUTCOME_COUNT)?;
+                self.outcome_batch_max = usize::try_from(count)
+                    .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
+            }
+            "outcome_buffer_max" => {
+                let count = integer_in(key, value, 1, MAX_OUTCOME_COUNT)?;
+                self.outcome_buffer_max = usize::try_from(count)
+                    .map_err(|_| ConfigError::new(key, "does not fit this platform"))?;
+            }
             other => {
                 return Err(ConfigError::new(other, "unknown field"));
             }
@@ -322,6 +357,24 @@ impl Settings {
                 model_id: model.to_owned(),
                 adapter_id: String::new(),
             })
+    }
+
+    /// The replica id of an upstream `ip:port` (the reverse of
+    /// [`Settings::endpoint_of`]): a `replica_endpoints` entry naming it, else
+    /// the address itself when `replica_id_is_endpoint` is set.
+    pub fn replica_of(&self, endpoint: &str) -> Option<String> {
+        let mut named: Vec<&String> = self
+            .replica_endpoints
+            .iter()
+            .filter(|(_, value)| value.as_str() == endpoint)
+            .map(|(id, _)| id)
+            .collect();
+        named.sort();
+        if let Some(id) = named.first() {
+            return Some((*id).clone());
+        }
+        (self.replica_id_is_endpoint && endpoint.parse::<SocketAddr>().is_ok())
+            .then(|| endpoint.to_owned())
     }
 
     /// The `ip:port` to route a replica id to, if it has one.
@@ -569,6 +622,50 @@ mod tests {
     }
 
     #[test]
+    fn outcome_reporting_bounds_are_validated() {
+        let settings = parse(
+            r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true,
+                "outcome_flush_ms":0,"outcome_batch_max":8,"outcome_buffer_max":32}"#,
+        )
+        .expect("valid config");
+        assert_eq!(settings.outcome_flush, Duration::ZERO);
+        assert_eq!(
+            (settings.outcome_batch_max, settings.outcome_buffer_max),
+            (8, 32)
+        );
+        for (field, value) in [
+            ("outcome_flush_ms", "60001"),
+            ("outcome_batch_max", "0"),
+            ("outcome_buffer_max", "100001"),
+            ("outcome_buffer_max", "\"1\""),
+        ] {
+            let json = format!(
+                r#"{{"grpc_cluster":"ic","replica_id_is_endpoint":true,"{field}":{value}}}"#
+            );
+            assert_eq!(field_of(&json), field, "{json}");
+        }
+    }
+
+    #[test]
+    fn upstream_addresses_map_back_to_replica_ids() {
+        let mut settings = Settings::with_cluster("ic");
+        settings
+            .replica_endpoints
+            .insert("replica-a".into(), "10.0.0.1:8000".into());
+        assert_eq!(
+            settings.replica_of("10.0.0.1:8000").as_deref(),
+            Some("replica-a")
+        );
+        assert_eq!(settings.replica_of("10.0.0.2:8000"), None);
+        settings.replica_id_is_endpoint = true;
+        assert_eq!(
+            settings.replica_of("10.0.0.2:8000").as_deref(),
+            Some("10.0.0.2:8000")
+        );
+        assert_eq!(settings.replica_of("not-an-address"), None);
+    }
+
+    #[test]
     fn minimal_config_takes_every_default() {
         let settings =
             parse(r#"{"grpc_cluster":"ic","replica_id_is_endpoint":true}"#).expect("valid config");
@@ -583,6 +680,9 @@ mod tests {
         );
         assert_eq!(settings.max_body_bytes, 1 << 20);
         assert_eq!(settings.max_response_body_bytes, 1 << 20);
+        assert_eq!(settings.outcome_flush, Duration::from_millis(1000));
+        assert_eq!(settings.outcome_batch_max, DEFAULT_OUTCOME_BATCH_MAX);
+        assert_eq!(settings.outcome_buffer_max, DEFAULT_OUTCOME_BUFFER_MAX);
         assert_eq!(settings.routable_reasons.len(), 3);
         assert!(settings.routable_reasons.contains("AFFINITY_HINT"));
         assert_eq!(settings.tenant, TenantSource::Fixed);

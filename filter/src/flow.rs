@@ -16,7 +16,9 @@
 //! response body chunks: copied (bounded) as they pass, never held
 //!    │ end of stream: read `cached_tokens`, compare with `matched_tokens`
 //!    ▼
-//! accuracy counters and ratio histogram (see [`crate::accuracy`])
+//! accuracy counters and ratio histogram (see [`crate::accuracy`]), and one
+//! outcome into the worker's buffer, sent later by the root context (see
+//! [`crate::report`])
 //! ```
 //!
 //! The adapter maps [`Action`] onto proxy-wasm's and forwards callbacks; the
@@ -26,7 +28,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use inference_cache_proto::v1alpha1::LookupRouteResponse;
+use inference_cache_proto::v1alpha1::{LookupRouteResponse, RouteOutcome};
 use prost::Message;
 
 use crate::accuracy::{
@@ -39,6 +41,7 @@ use crate::outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, decide,
     reason_metric,
 };
+use crate::report::{OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, SharedBuffer};
 use crate::request::{Api, BodyError, classify, lookup_request, parse_body};
 
 /// gRPC service of the lookup.
@@ -49,6 +52,9 @@ pub const LOOKUP_METHOD: &str = "LookupRoute";
 /// `wasm.inferencecache_reason` (`%FILTER_STATE(wasm.inferencecache_reason:PLAIN)%`
 /// in an access log).
 pub const REASON_PROPERTY: &str = "inferencecache_reason";
+
+/// Host property holding the `ip:port` of the upstream that served the request.
+pub const UPSTREAM_ADDRESS: [&str; 2] = ["upstream", "address"];
 
 /// What the host should do with the stream after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +142,18 @@ struct Prediction {
     reason: String,
     /// The routed replica's `matched_tokens`; zero when not routed on the hint.
     matched_tokens: u64,
+    /// The routed replica; for an unhinted request the replica that served
+    /// it (filled in from the upstream address), or empty.
+    replica_id: String,
+    /// The request was routed on the hint.
+    routed: bool,
+}
+
+/// The tenant and model a lookup was made for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct LookupKey {
+    tenant_id: String,
+    model_id: String,
 }
 
 /// The response body being read for its `usage`.
@@ -153,6 +171,8 @@ pub struct RequestFlow {
     outcome: Option<Outcome>,
     prediction: Option<Prediction>,
     response: Option<ResponseReader>,
+    key: LookupKey,
+    sink: Option<SharedBuffer>,
 }
 
 impl RequestFlow {
@@ -164,7 +184,15 @@ impl RequestFlow {
             outcome: None,
             prediction: None,
             response: None,
+            key: LookupKey::default(),
+            sink: None,
         }
+    }
+
+    /// Measured outcomes go into `buffer`, for the worker's reporter to send.
+    pub fn with_outcome_sink(mut self, buffer: SharedBuffer) -> Self {
+        self.sink = Some(buffer);
+        self
     }
 
     /// How the request ended, once it has.
@@ -239,6 +267,10 @@ impl RequestFlow {
                 return Action::Continue;
             }
         };
+        self.key = LookupKey {
+            tenant_id: request.tenant_id.clone(),
+            model_id: request.model_id.clone(),
+        };
         let message = request.encode_to_vec();
         match host.dispatch_grpc(
             &self.settings.grpc_upstream,
@@ -290,16 +322,22 @@ impl RequestFlow {
                 Ok(response) => {
                     host.increment_counter(reason_metric(&response.reason_code));
                     let outcome = decide(&self.settings, &response);
-                    let matched_tokens = match &outcome {
-                        Outcome::Routed { .. } => response
-                            .replica_scores
-                            .first()
-                            .map_or(0, |top| u64::try_from(top.matched_tokens).unwrap_or(0)),
-                        _ => 0,
+                    let (matched_tokens, replica_id, routed) = match &outcome {
+                        Outcome::Routed { replica_id, .. } => (
+                            response
+                                .replica_scores
+                                .first()
+                                .map_or(0, |top| u64::try_from(top.matched_tokens).unwrap_or(0)),
+                            replica_id.clone(),
+                            true,
+                        ),
+                        _ => (0, String::new(), false),
                     };
                     self.prediction = Some(Prediction {
                         reason: response.reason_code.clone(),
                         matched_tokens,
+                        replica_id,
+                        routed,
                     });
                     outcome
                 }
@@ -334,6 +372,14 @@ impl RequestFlow {
             }
         }
         self.response = self.response_reader(host);
+        if self.response.is_some()
+            && let Some(prediction) = &mut self.prediction
+            && prediction.replica_id.is_empty()
+            && let Some(address) = host.property(&UPSTREAM_ADDRESS)
+        {
+            let address = String::from_utf8_lossy(&address);
+            prediction.replica_id = self.settings.replica_of(&address).unwrap_or_default();
+        }
         Action::Continue
     }
 
@@ -445,6 +491,28 @@ impl RequestFlow {
                 metrics.code
             ),
         );
+        if let Some(sink) = &self.sink {
+            let outcome = RouteOutcome {
+                tenant_id: self.key.tenant_id.clone(),
+                model_id: self.key.model_id.clone(),
+                replica_id: prediction.replica_id.clone(),
+                reason_code: prediction.reason.clone(),
+                predicted_tokens: i64::try_from(predicted).unwrap_or(i64::MAX),
+                cached_tokens: i64::try_from(cached).unwrap_or(i64::MAX),
+                prompt_tokens: usage
+                    .and_then(|usage| usage.prompt_tokens)
+                    .and_then(|tokens| i64::try_from(tokens).ok())
+                    .unwrap_or(0),
+                routed: prediction.routed,
+                shadow: false,
+            };
+            let kept = sink.borrow_mut().push(outcome);
+            host.increment_counter(if kept {
+                OUTCOMES_BUFFERED_METRIC
+            } else {
+                OUTCOMES_DROPPED_METRIC
+            });
+        }
     }
 
     fn fail(&mut self, host: &mut dyn Host, kind: FailureKind) {

@@ -25,6 +25,10 @@
 //!   `usage.prompt_tokens_details.cached_tokens` as the response passes
 //!   (never holding it) and counts how the actual reuse compares with the
 //!   `matched_tokens` the hint promised (metric names in `envoy/README.md`);
+//! - outcome reporting ([`OutcomeBuffer`], [`OutcomeReporter`]): each
+//!   measured response becomes one outcome in a bounded per-worker buffer,
+//!   which the root context's timer sends to the server in batches
+//!   (`ReportOutcomes`), off the request path and fail-silent;
 //! - a thin proxy-wasm adapter (only on `wasm32`) mapping SDK callbacks onto
 //!   [`RequestFlow`] and implementing [`Host`] with proxy-wasm host calls.
 //!
@@ -49,6 +53,7 @@ mod accuracy;
 mod config;
 mod flow;
 mod outcome;
+mod report;
 mod request;
 
 #[cfg(target_arch = "wasm32")]
@@ -66,11 +71,16 @@ pub use config::{
 };
 pub use flow::{
     Action, DispatchError, Host, LOOKUP_METHOD, LOOKUP_SERVICE, LogLevel, REASON_PROPERTY,
-    RequestFlow,
+    RequestFlow, UPSTREAM_ADDRESS,
 };
 pub use outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC,
     all_histograms, all_metrics, decide, reason_metric,
+};
+pub use report::{
+    OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, OUTCOMES_LOST_METRIC,
+    OUTCOMES_REPORTED_METRIC, OutcomeBuffer, OutcomeReporter, REPORT_FAILED_METRIC, REPORT_METHOD,
+    ReportHost, SharedBuffer,
 };
 pub use request::{
     Api, BodyError, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, ChatRequest, ParsedRequest,

@@ -129,6 +129,7 @@ pub fn all_metrics() -> Vec<&'static str> {
     names.push(reason_metric(""));
     names.extend(FailureKind::ALL.iter().map(|kind| kind.metric()));
     names.extend(crate::accuracy::accuracy_counters());
+    names.extend(crate::report::report_counters());
     names
 }
 

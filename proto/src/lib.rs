@@ -190,6 +190,53 @@ mod tests {
     }
 
     #[test]
+    fn outcome_reports_round_trip_with_fixed_field_numbers() {
+        let report = OutcomeReport {
+            outcomes: vec![RouteOutcome {
+                tenant_id: "t".into(),
+                model_id: "m".into(),
+                replica_id: "r".into(),
+                reason_code: "PREFIX_MATCH".into(),
+                predicted_tokens: 128,
+                cached_tokens: 112,
+                prompt_tokens: 168,
+                routed: true,
+                shadow: false,
+            }],
+            dropped: 3,
+        };
+        let bytes = report.encode_to_vec();
+        assert_eq!(OutcomeReport::decode(bytes.as_slice()).ok(), Some(report));
+        let only = |outcome: RouteOutcome| outcome.encode_to_vec();
+        assert_eq!(
+            only(RouteOutcome {
+                predicted_tokens: 1,
+                ..Default::default()
+            }),
+            vec![0x28, 1]
+        );
+        assert_eq!(
+            only(RouteOutcome {
+                cached_tokens: 1,
+                ..Default::default()
+            }),
+            vec![0x30, 1]
+        );
+        assert_eq!(
+            only(RouteOutcome {
+                shadow: true,
+                ..Default::default()
+            }),
+            vec![0x48, 1]
+        );
+        let dropped = OutcomeReport {
+            dropped: 2,
+            ..Default::default()
+        };
+        assert_eq!(dropped.encode_to_vec(), vec![0x10, 2]);
+    }
+
+    #[test]
     fn fixed_field_numbers_on_responses_and_entries() {
         let response = LookupRouteResponse {
             token_ids: vec![7],
@@ -201,6 +248,16 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(response.encode_to_vec(), vec![0x2a, 1, b'a']); // field 5
+        let response = LookupRouteResponse {
+            shadow: true,
+            ..Default::default()
+        };
+        assert_eq!(response.encode_to_vec(), vec![0x30, 1]); // field 6, varint
+        let state = GetCacheStateResponse {
+            accuracy: vec![ReplicaAccuracy::default()],
+            ..Default::default()
+        };
+        assert_eq!(state.encode_to_vec(), vec![0x1a, 0]); // field 3, empty message
         let score = ReplicaScore {
             tier: CacheTier::T2 as i32,
             ..Default::default()

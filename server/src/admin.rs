@@ -1,4 +1,6 @@
-//! Admin HTTP listener: liveness, readiness and Prometheus metrics.
+//! Admin HTTP listener: liveness, readiness, Prometheus metrics and the
+//! hint-accuracy aggregate (`/snapshot/accuracy`: every outcome series the
+//! gateways reported, as JSON; metadata only).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +28,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/snapshot/accuracy", get(accuracy))
         .with_state(state)
 }
 
@@ -44,5 +47,18 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         state.metrics.render(),
+    )
+}
+
+async fn accuracy(State(state): State<AdminState>) -> impl IntoResponse {
+    let book = &state.metrics.outcomes;
+    let body = serde_json::json!({
+        "maxSeries": book.settings().max_series,
+        "droppedByGateways": book.dropped_by_gateways.get(),
+        "series": book.all_rows(),
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
     )
 }

@@ -4,6 +4,10 @@
 //! Consumer-side handlers never return an error status: every failure becomes
 //! a fail-open envelope (empty `replica_scores` with a reason code).
 //!
+//! ReportOutcomes feeds the hint-accuracy book ([`crate::outcomes`]) that
+//! `GetCacheState`, `/metrics` and `/snapshot/accuracy` show; it is a
+//! producer-class write, authenticated and scoped like ReportCacheState.
+//!
 //! LookupRoute, ReportCacheState, PublishEvent and GetCacheState are backed by
 //! the cache index: this module converts wire messages into the index's plain
 //! types ([`resolve_input`] decides which prompt input a lookup uses) and the
@@ -24,7 +28,8 @@ use inference_cache_proto::v1alpha1::inference_cache_server::InferenceCache;
 use inference_cache_proto::v1alpha1::{
     Ack, CacheEvent, CacheStateUpdate, CacheSummary, GetCacheStateRequest, GetCacheStateResponse,
     LookupPdRouteRequest, LookupPdRouteResponse, LookupRouteRequest, LookupRouteResponse, Metric,
-    RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest, StreamMetricsRequest,
+    OutcomeReport, RenderTemplateRequest, RenderTemplateResponse, ReplicaAccuracy,
+    StreamEventsRequest, StreamMetricsRequest,
 };
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -265,6 +270,7 @@ impl InferenceCache for CacheService {
             lookup_latency_us: elapsed_us(started),
             token_ids,
             adapter_id: outcome.adapter_id,
+            shadow: false,
         };
         self.metrics
             .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
@@ -370,9 +376,71 @@ impl InferenceCache for CacheService {
                 },
             })
             .collect();
+        let accuracy = self
+            .metrics
+            .outcomes
+            .rows(&request.tenant_id, &request.model_id)
+            .into_iter()
+            .map(replica_accuracy)
+            .collect();
         Ok(Response::new(GetCacheStateResponse {
             replicas,
             summary: Some(summary),
+            accuracy,
+        }))
+    }
+
+    async fn report_outcomes(
+        &self,
+        request: Request<OutcomeReport>,
+    ) -> Result<Response<Ack>, Status> {
+        self.metrics.record_rpc("ReportOutcomes");
+        let caller = self
+            .auth
+            .producer(&Credentials::of(&request))
+            .map_err(|refusal| {
+                self.metrics
+                    .record_auth_refused("ReportOutcomes", refusal.reason);
+                refusal.status("ReportOutcomes")
+            })?;
+        let report = request.into_inner();
+        for outcome in &report.outcomes {
+            if let Err(refusal) =
+                caller.may_write(&outcome.tenant_id, [outcome.replica_id.as_str()])
+            {
+                self.metrics
+                    .record_auth_refused("ReportOutcomes", refusal.reason);
+                return Err(refusal.status(&format!(
+                    "ReportOutcomes: outcome of replica {:?} in tenant {:?}",
+                    outcome.replica_id, outcome.tenant_id
+                )));
+            }
+        }
+        let book = &self.metrics.outcomes;
+        book.dropped_by_gateways.inc_by(report.dropped);
+        let outcomes: Vec<crate::outcomes::Outcome> = report
+            .outcomes
+            .into_iter()
+            // The reserved probe scope is never written through the public contract.
+            .filter(|outcome| outcome.tenant_id != index::PROBE_TENANT)
+            .map(|outcome| crate::outcomes::Outcome {
+                tenant_id: outcome.tenant_id,
+                model_id: outcome.model_id,
+                replica_id: outcome.replica_id,
+                predicted_tokens: u64::try_from(outcome.predicted_tokens).unwrap_or(0),
+                cached_tokens: u64::try_from(outcome.cached_tokens).unwrap_or(0),
+                routed: outcome.routed,
+                shadow: outcome.shadow,
+            })
+            .collect();
+        let recorded = book.record(&outcomes);
+        self.metrics
+            .record_limit_n("outcome_series", recorded.folded);
+        self.metrics
+            .record_limit_n("outcome_id_bytes", recorded.refused);
+        Ok(Response::new(Ack {
+            accepted: true,
+            reason_code: reason::OK.to_owned(),
         }))
     }
 
@@ -617,6 +685,23 @@ fn lookup(
         outcome.adapter_id.clone_from(&request.adapter_id);
     }
     outcome
+}
+
+fn replica_accuracy(row: crate::outcomes::AccuracyRow) -> ReplicaAccuracy {
+    let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    ReplicaAccuracy {
+        replica_id: row.replica_id,
+        mode: row.mode.to_owned(),
+        outcomes: count(row.outcomes),
+        hinted_hit: count(row.hinted_hit),
+        hinted_miss: count(row.hinted_miss),
+        not_hinted_hit: count(row.not_hinted_hit),
+        not_hinted_miss: count(row.not_hinted_miss),
+        predicted_tokens: count(row.predicted_tokens),
+        cached_tokens: count(row.cached_tokens),
+        median_ratio: row.median_ratio,
+        median_abs_error: row.median_abs_error,
+    }
 }
 
 fn replica_score(s: index::ReplicaScore) -> ReplicaScore {

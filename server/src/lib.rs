@@ -25,6 +25,7 @@ mod index_runtime;
 pub mod limits;
 mod metrics;
 mod pd_route;
+mod outcomes;
 mod prompt_inputs;
 pub mod prompt_templates;
 mod reload;

@@ -1,7 +1,9 @@
 //! Prometheus metrics of the server, exposed as text on the admin `/metrics`.
 //!
 //! One [`Metrics`] value owns the registry; handlers hold an `Arc` and record
-//! into lock-free counters and histograms.
+//! into lock-free counters and histograms. It also owns the hint-accuracy
+//! [`OutcomeBook`] (`ReportOutcomes`), which `/metrics`, `/snapshot/accuracy`
+//! and `GetCacheState` read.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -10,6 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::outcomes::{OutcomeBook, OutcomeSettings};
 
 /// Label set carrying a LookupRoute reason code.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -67,11 +71,18 @@ pub struct Metrics {
     pub auth_refused: Family<AuthLabel, Counter>,
     /// `inferencecache_shutdown_streams_cut_total`: calls still open when the drain deadline passed.
     pub streams_cut: Counter,
+    /// Hint accuracy per (tenant, model, replica, mode), from `ReportOutcomes`.
+    pub outcomes: OutcomeBook,
 }
 
 impl Metrics {
     /// Creates the registry with every metric registered.
     pub fn new() -> Self {
+        Self::with_outcomes(OutcomeSettings::default())
+    }
+
+    /// Like [`Metrics::new`], with the given bounds of the outcome aggregation.
+    pub fn with_outcomes(outcome_settings: OutcomeSettings) -> Self {
         let mut registry = Registry::with_prefix("inferencecache");
         let lookup_calls = Family::<ReasonLabel, Counter>::default();
         registry.register(
@@ -131,6 +142,12 @@ impl Metrics {
             "Calls still open when the shutdown drain deadline passed, ended by the server",
             streams_cut.clone(),
         );
+        for limit in ["outcome_series", "outcome_id_bytes"] {
+            let _ = limit_hits.get_or_create(&LimitLabel {
+                limit: limit.to_owned(),
+            });
+        }
+        let outcomes = OutcomeBook::new(outcome_settings, &mut registry);
         Self {
             registry,
             lookup_calls,
@@ -141,6 +158,7 @@ impl Metrics {
             stats_rejected,
             auth_refused,
             streams_cut,
+            outcomes,
         }
     }
 

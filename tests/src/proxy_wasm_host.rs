@@ -89,6 +89,8 @@ struct HostState {
     metric_names: Vec<String>,
     metric_values: Vec<i64>,
     logs: Vec<(i32, String)>,
+    /// The last period the filter asked the timer for (0: off).
+    tick_period_ms: u32,
 }
 
 impl HostState {
@@ -441,6 +443,14 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     )?;
     linker.func_wrap(
         "env",
+        "proxy_set_tick_period_milliseconds",
+        |mut caller: Caller<'_, HostState>, period_ms: i32| -> i32 {
+            caller.data_mut().tick_period_ms = period_ms as u32;
+            STATUS_OK
+        },
+    )?;
+    linker.func_wrap(
+        "env",
         "proxy_define_metric",
         |mut caller: Caller<'_, HostState>,
          _metric_type: i32,
@@ -599,6 +609,17 @@ impl ProxyWasmHost {
             .call(&mut self.store, params)
             .map_err(host_error)
             .with_context(|| format!("calling {name}"))
+    }
+
+    /// The timer period the filter asked for, in milliseconds (0: none).
+    pub fn tick_period_ms(&self) -> u32 {
+        self.store.data().tick_period_ms
+    }
+
+    /// Fires the root context's timer (`proxy_on_tick`).
+    pub fn tick(&mut self) -> anyhow::Result<()> {
+        self.store.data_mut().effective = ROOT_CONTEXT;
+        self.call::<i32, ()>("proxy_on_tick", ROOT_CONTEXT as i32)
     }
 
     /// Declares an Envoy cluster name that gRPC calls may target.

@@ -24,7 +24,8 @@ use inference_cache_proto::v1alpha1::inference_cache_server::{
 use inference_cache_proto::v1alpha1::{
     Ack, CacheEvent, CacheStateUpdate, ChatMessage, GetCacheStateRequest, GetCacheStateResponse,
     LookupPdRouteRequest, LookupPdRouteResponse, LookupRouteRequest, LookupRouteResponse, Metric,
-    RenderTemplateRequest, RenderTemplateResponse, StreamEventsRequest, StreamMetricsRequest,
+    OutcomeReport, RenderTemplateRequest, RenderTemplateResponse, ReplicaAccuracy,
+    StreamEventsRequest, StreamMetricsRequest,
 };
 use inference_cache_tests::{Holder, TestServer, contract_ranker_config, hold_tokens};
 use proxy_wasm_host_envoy::{
@@ -202,6 +203,117 @@ async fn predicted_and_actual_cache_reuse_are_counted() -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    Ok(())
+}
+
+/// The accuracy row of `replica` in `mode` from GetCacheState, once it holds `outcomes`.
+async fn accuracy_row(
+    server: &TestServer,
+    replica: &str,
+    mode: &str,
+    outcomes: i64,
+    context: impl Fn() -> String,
+) -> anyhow::Result<ReplicaAccuracy> {
+    let mut client = server.client().await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = client
+            .get_cache_state(GetCacheStateRequest {
+                model_id: MODEL.into(),
+                tenant_id: TENANT.into(),
+            })
+            .await?
+            .into_inner();
+        let row = state
+            .accuracy
+            .iter()
+            .find(|row| row.replica_id == replica && row.mode == mode)
+            .cloned();
+        if let Some(row) = &row
+            && row.outcomes >= outcomes
+        {
+            return Ok(row.clone());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no {mode} accuracy row for {replica} with {outcomes} outcomes: {:?}\n{}",
+            state.accuracy,
+            context()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Outcomes measured by the filter reach the server in batches (JSON and
+/// streamed responses) and show per replica in GetCacheState, `/metrics`
+/// and `/snapshot/accuracy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_reach_the_server_per_replica() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let (server, _policy) = contract_server().await?;
+    let stack = stack(server.grpc_addr(), 200).await?;
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-b", &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..940);
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    // (cached_tokens, stream): a full hit, a streamed partial hit, a miss,
+    // and a stream without a usage chunk (not measured, not reported).
+    for (cached, stream) in [("128", ""), ("112", "1"), ("0", ""), ("128", "no-usage")] {
+        let mut headers = vec![(FAKE_CACHED_TOKENS, cached)];
+        if !stream.is_empty() {
+            headers.push((FAKE_STREAM, stream));
+        }
+        let response = client
+            .post("/v1/completions", &headers, tokens_body(MODEL, &prompt))
+            .await?;
+        response.assert_routed("PREFIX_MATCH", "replica-b", || context(&stack));
+    }
+    let row = accuracy_row(&server, "replica-b", "routed", 3, || context(&stack)).await?;
+    assert_eq!(row.outcomes, 3, "{row:?}");
+    assert_eq!((row.hinted_hit, row.hinted_miss), (2, 1), "{row:?}");
+    assert_eq!(row.predicted_tokens, 3 * 128, "{row:?}");
+    assert_eq!(row.cached_tokens, 128 + 112, "{row:?}");
+    // Ratios 1.0, 0.875 and 0: the median is 0.87 (1 % bins).
+    assert!((row.median_ratio - 0.87).abs() < 1e-6, "{row:?}");
+    let metrics = server.admin_get("/metrics").await?.body;
+    assert!(
+        metrics.contains(
+            "inferencecache_hint_outcomes_total{tenant=\"default\",replica=\"replica-b\",mode=\"routed\",verdict=\"hinted_hit\"} 2"
+        ),
+        "{metrics}"
+    );
+    let snapshot: serde_json::Value =
+        serde_json::from_str(&server.admin_get("/snapshot/accuracy").await?.body)?;
+    let series = snapshot["series"].as_array().cloned().unwrap_or_default();
+    assert!(
+        series.iter().any(|row| row["replicaId"] == "replica-b"
+            && row["mode"] == "routed"
+            && row["hintedMiss"] == 1),
+        "{snapshot}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stack
+        .envoy
+        .stat("wasmcustom.inferencecache_filter.outcomes.reported")
+        .await?
+        < 3
+    {
+        ensure!(
+            Instant::now() < deadline,
+            "outcomes.reported below 3\n{}",
+            context(&stack)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        stack
+            .envoy
+            .stat("wasmcustom.inferencecache_filter.outcomes.dropped")
+            .await?,
+        0
+    );
     Ok(())
 }
 
@@ -918,6 +1030,13 @@ impl InferenceCache for SlowServer {
     }
 
     async fn publish_event(&self, _request: Request<CacheEvent>) -> Result<Response<Ack>, Status> {
+        Err(Status::unimplemented("slow fake"))
+    }
+
+    async fn report_outcomes(
+        &self,
+        _request: Request<OutcomeReport>,
+    ) -> Result<Response<Ack>, Status> {
         Err(Status::unimplemented("slow fake"))
     }
 

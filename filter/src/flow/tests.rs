@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use inference_cache_proto::v1alpha1::{LookupRouteRequest, ReplicaScore};
+use inference_cache_proto::v1alpha1::{LookupRouteRequest, ReplicaScore, RouteOutcome};
 
 use super::*;
 
@@ -791,4 +791,148 @@ fn trailers_end_a_measured_response() {
         host.histograms.get(format!("{PM}.ratio_percent").as_str()),
         Some(&vec![50])
     );
+}
+
+/// Like [`looked_up`], with the flow's outcomes going into a fresh buffer.
+fn looked_up_into_buffer(
+    reason: &str,
+    matched: i32,
+) -> (RequestFlow, FakeHost, crate::report::SharedBuffer) {
+    let buffer = Rc::new(std::cell::RefCell::new(crate::report::OutcomeBuffer::new(
+        1,
+    )));
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    host.request_headers
+        .push(("x-tenant".into(), "team-a".into()));
+    let mut flow = RequestFlow::new(settings()).with_outcome_sink(Rc::clone(&buffer));
+    assert_eq!(send(&mut flow, &mut host), Action::Pause);
+    host.grpc_body = LookupRouteResponse {
+        reason_code: reason.into(),
+        replica_scores: vec![ReplicaScore {
+            replica_id: "replica-a".into(),
+            matched_tokens: matched,
+            ..ReplicaScore::default()
+        }],
+        ..LookupRouteResponse::default()
+    }
+    .encode_to_vec();
+    let size = host.grpc_body.len();
+    flow.on_lookup_response(&mut host, 7, 0, size);
+    (flow, host, buffer)
+}
+
+fn buffered(buffer: &crate::report::SharedBuffer) -> Vec<RouteOutcome> {
+    let report = {
+        let mut reporter = crate::report::OutcomeReporter::new(settings(), Rc::clone(buffer));
+        let mut host = RecordingReportHost::default();
+        reporter.on_tick(&mut host);
+        host.sent
+    };
+    report
+        .map(|bytes| {
+            inference_cache_proto::v1alpha1::OutcomeReport::decode(bytes.as_slice())
+                .expect("an OutcomeReport")
+                .outcomes
+        })
+        .unwrap_or_default()
+}
+
+#[derive(Default)]
+struct RecordingReportHost {
+    sent: Option<Vec<u8>>,
+}
+
+impl crate::report::ReportHost for RecordingReportHost {
+    fn dispatch_grpc(
+        &mut self,
+        _upstream: &str,
+        _service: &str,
+        _method: &str,
+        message: &[u8],
+        _timeout: Duration,
+    ) -> Result<u32, DispatchError> {
+        self.sent = Some(message.to_vec());
+        Ok(1)
+    }
+    fn add_counter(&mut self, _name: &'static str, _amount: u64) {}
+    fn log(&self, _level: LogLevel, _message: &str) {}
+}
+
+#[test]
+fn a_measured_routed_response_becomes_one_buffered_outcome() {
+    let (mut flow, mut host, buffer) = looked_up_into_buffer("PREFIX_MATCH", 16);
+    deliver(&mut flow, &mut host, "application/json", &usage_json(8), 10);
+    assert_eq!(host.counter(crate::report::OUTCOMES_BUFFERED_METRIC), 1);
+    assert_eq!(
+        buffered(&buffer),
+        vec![RouteOutcome {
+            tenant_id: "team-a".into(),
+            model_id: "m".into(),
+            replica_id: "replica-a".into(),
+            reason_code: "PREFIX_MATCH".into(),
+            predicted_tokens: 16,
+            cached_tokens: 8,
+            prompt_tokens: 18,
+            routed: true,
+            shadow: false,
+        }]
+    );
+    // The host's upstream address is not consulted for a routed request.
+    assert!(
+        !host
+            .property_reads
+            .borrow()
+            .iter()
+            .any(|path| path == "upstream.address")
+    );
+}
+
+#[test]
+fn an_unhinted_outcome_names_the_replica_that_served_it() {
+    let (mut flow, mut host, buffer) = looked_up_into_buffer("NO_HINT", 0);
+    host.properties
+        .insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
+    deliver(
+        &mut flow,
+        &mut host,
+        "application/json",
+        &usage_json(16),
+        64,
+    );
+    let outcomes = buffered(&buffer);
+    assert_eq!(outcomes.len(), 1);
+    assert_eq!(outcomes[0].replica_id, "replica-a");
+    assert_eq!(
+        (outcomes[0].predicted_tokens, outcomes[0].cached_tokens),
+        (0, 16)
+    );
+    assert!(!outcomes[0].routed);
+}
+
+#[test]
+fn unmeasured_responses_buffer_nothing_and_a_full_buffer_counts_drops() {
+    let (mut flow, mut host, buffer) = looked_up_into_buffer("PREFIX_MATCH", 16);
+    let body = br#"{"choices":[],"usage":{"prompt_tokens":18}}"#;
+    deliver(&mut flow, &mut host, "application/json", body, 64);
+    assert!(buffer.borrow().is_empty());
+    assert_eq!(host.counter(crate::report::OUTCOMES_BUFFERED_METRIC), 0);
+    // The buffer holds one outcome: the second measured response is dropped.
+    for expected_dropped in [0, 1] {
+        let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+        let mut flow = RequestFlow::new(settings()).with_outcome_sink(Rc::clone(&buffer));
+        send(&mut flow, &mut host);
+        host.grpc_body = LookupRouteResponse {
+            reason_code: "NO_HINT".into(),
+            ..LookupRouteResponse::default()
+        }
+        .encode_to_vec();
+        let size = host.grpc_body.len();
+        flow.on_lookup_response(&mut host, 7, 0, size);
+        deliver(&mut flow, &mut host, "application/json", &usage_json(0), 64);
+        assert_eq!(
+            host.counter(crate::report::OUTCOMES_DROPPED_METRIC),
+            expected_dropped
+        );
+    }
+    assert_eq!(buffer.borrow().len(), 1);
 }

@@ -354,6 +354,9 @@ impl InferenceCache for Recorder {
             reason_code: "OK".into(),
         }))
     }
+    async fn report_outcomes(&self, _: Request<OutcomeReport>) -> Result<Response<Ack>, Status> {
+        Err(Status::unimplemented("recording server"))
+    }
     type StreamCacheEventsStream = tokio_stream::Empty<Result<CacheEvent, Status>>;
     async fn stream_cache_events(
         &self,
