@@ -8,7 +8,7 @@
 //!    │ end of stream: parse, build LookupRouteRequest, dispatch
 //!    ▼
 //! awaiting lookup ──(gRPC status ≠ 0, decode error, no endpoint)─▶ resume untouched
-//!    │ routable reason → set destination header
+//!    │ routable reason → set destination header (not in shadow mode)
 //!    ▼
 //! resume ──▶ response headers: remove any reason header; add ours only when exposed
 //!    │ looked up, 2xx, JSON or event stream, not compressed
@@ -38,8 +38,8 @@ use crate::accuracy::{
 };
 use crate::config::{Settings, TenantSource};
 use crate::outcome::{
-    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, decide,
-    reason_metric,
+    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SHADOW_METRIC, SPOOFED_DESTINATION_METRIC,
+    decide, reason_metric,
 };
 use crate::report::{OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, SharedBuffer};
 use crate::request::{Api, BodyError, classify, lookup_request, parse_body};
@@ -147,6 +147,8 @@ struct Prediction {
     replica_id: String,
     /// The request was routed on the hint.
     routed: bool,
+    /// The answer was in shadow mode: measured, never routed.
+    shadow: bool,
 }
 
 /// The tenant and model a lookup was made for.
@@ -322,15 +324,18 @@ impl RequestFlow {
                 Ok(response) => {
                     host.increment_counter(reason_metric(&response.reason_code));
                     let outcome = decide(&self.settings, &response);
+                    let top_matched = response
+                        .replica_scores
+                        .first()
+                        .map_or(0, |top| u64::try_from(top.matched_tokens).unwrap_or(0));
                     let (matched_tokens, replica_id, routed) = match &outcome {
-                        Outcome::Routed { replica_id, .. } => (
-                            response
-                                .replica_scores
-                                .first()
-                                .map_or(0, |top| u64::try_from(top.matched_tokens).unwrap_or(0)),
-                            replica_id.clone(),
-                            true,
-                        ),
+                        Outcome::Routed { replica_id, .. } => {
+                            (top_matched, replica_id.clone(), true)
+                        }
+                        // What routing would have predicted, on the replica it would have chosen.
+                        Outcome::Shadow { replica_id, .. } => {
+                            (top_matched, replica_id.clone(), false)
+                        }
                         _ => (0, String::new(), false),
                     };
                     self.prediction = Some(Prediction {
@@ -338,6 +343,7 @@ impl RequestFlow {
                         matched_tokens,
                         replica_id,
                         routed,
+                        shadow: response.shadow,
                     });
                     outcome
                 }
@@ -350,6 +356,7 @@ impl RequestFlow {
                 host.increment_counter(ROUTED_METRIC);
             }
             Outcome::Failed(kind) => host.increment_counter(kind.metric()),
+            Outcome::Shadow { .. } => host.increment_counter(SHADOW_METRIC),
             Outcome::NotRouted { .. } => {}
         }
         self.record(host, outcome);
@@ -504,7 +511,7 @@ impl RequestFlow {
                     .and_then(|tokens| i64::try_from(tokens).ok())
                     .unwrap_or(0),
                 routed: prediction.routed,
-                shadow: false,
+                shadow: prediction.shadow,
             };
             let kept = sink.borrow_mut().push(outcome);
             host.increment_counter(if kept {

@@ -74,7 +74,7 @@ pub use flow::{
     RequestFlow, UPSTREAM_ADDRESS,
 };
 pub use outcome::{
-    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SPOOFED_DESTINATION_METRIC,
+    FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SHADOW_METRIC, SPOOFED_DESTINATION_METRIC,
     all_histograms, all_metrics, decide, reason_metric,
 };
 pub use report::{

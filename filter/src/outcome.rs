@@ -1,8 +1,8 @@
 //! What happened to one request, the decision on a `LookupRouteResponse`, and metric names.
 //!
 //! Every inference request ends in exactly one [`Outcome`]: routed to a
-//! replica, a hint that is not routed (any reason code outside the routable
-//! set), or a [`FailureKind`] after which the request continues untouched
+//! replica, a routable hint in shadow mode (measured, not routed), a hint
+//! that is not routed (any reason code outside the routable set), or a [`FailureKind`] after which the request continues untouched
 //! (fail open). The outcome is what the response header reports and which
 //! counters move. Metric names are `&'static str` from a fixed list, so the
 //! adapter can define them all up front and a misbehaving server cannot
@@ -101,6 +101,8 @@ pub const KNOWN_REASONS: [&str; 9] = [
 
 /// Counter of requests whose destination header was set.
 pub const ROUTED_METRIC: &str = "inferencecache_filter.routed";
+/// Counter of routable hints not routed because the answer was in shadow mode.
+pub const SHADOW_METRIC: &str = "inferencecache_filter.shadow";
 /// Counter of client-supplied destination headers removed.
 pub const SPOOFED_DESTINATION_METRIC: &str = "inferencecache_filter.destination_header_removed";
 /// Counter of LookupRoute calls dispatched.
@@ -124,7 +126,12 @@ pub fn reason_metric(code: &str) -> &'static str {
 
 /// Every counter the filter may increment.
 pub fn all_metrics() -> Vec<&'static str> {
-    let mut names = vec![ROUTED_METRIC, SPOOFED_DESTINATION_METRIC, LOOKUPS_METRIC];
+    let mut names = vec![
+        ROUTED_METRIC,
+        SHADOW_METRIC,
+        SPOOFED_DESTINATION_METRIC,
+        LOOKUPS_METRIC,
+    ];
     names.extend(KNOWN_REASONS.iter().map(|code| reason_metric(code)));
     names.push(reason_metric(""));
     names.extend(FailureKind::ALL.iter().map(|kind| kind.metric()));
@@ -150,6 +157,14 @@ pub enum Outcome {
         /// Its `ip:port`.
         endpoint: String,
     },
+    /// A routable hint in shadow mode (`LookupRouteResponse.shadow`): not
+    /// routed, only measured.
+    Shadow {
+        /// The server's reason code.
+        reason: String,
+        /// The top replica, where routing would have sent the request.
+        replica_id: String,
+    },
     /// The server answered with a reason code the filter does not route on.
     NotRouted {
         /// The server's reason code.
@@ -163,7 +178,9 @@ impl Outcome {
     /// The value of the reason response header.
     pub fn header_value(&self) -> &str {
         match self {
-            Outcome::Routed { reason, .. } | Outcome::NotRouted { reason } => {
+            Outcome::Routed { reason, .. }
+            | Outcome::Shadow { reason, .. }
+            | Outcome::NotRouted { reason } => {
                 if is_header_safe(reason) {
                     reason
                 } else {
@@ -192,6 +209,12 @@ pub fn decide(settings: &Settings, response: &LookupRouteResponse) -> Outcome {
     let Some(top) = response.replica_scores.first() else {
         return Outcome::Failed(FailureKind::NoReplica);
     };
+    if response.shadow {
+        return Outcome::Shadow {
+            reason,
+            replica_id: top.replica_id.clone(),
+        };
+    }
     match settings.endpoint_of(&top.replica_id) {
         Some(endpoint) => Outcome::Routed {
             reason,
@@ -271,6 +294,28 @@ mod tests {
             decide(&only_prefix, &response("AFFINITY_HINT", &["a"])),
             Outcome::NotRouted {
                 reason: "AFFINITY_HINT".into()
+            }
+        );
+    }
+
+    #[test]
+    fn shadow_answers_are_never_routed() {
+        let mut shadow = response("PREFIX_MATCH", &["a"]);
+        shadow.shadow = true;
+        assert_eq!(
+            decide(&settings(), &shadow),
+            Outcome::Shadow {
+                reason: "PREFIX_MATCH".into(),
+                replica_id: "a".into()
+            }
+        );
+        assert_eq!(decide(&settings(), &shadow).header_value(), "PREFIX_MATCH");
+        let mut not_routable = response("NO_HINT", &[]);
+        not_routable.shadow = true;
+        assert_eq!(
+            decide(&settings(), &not_routable),
+            Outcome::NotRouted {
+                reason: "NO_HINT".into()
             }
         );
     }

@@ -149,6 +149,10 @@ pub struct CachePolicy {
     /// a conversation (its deepest match ends where no earlier request's
     /// did), against 1 for a request that starts from a shared prefix.
     pub continuation_weight: f64,
+    /// Shadow mode: lookups are answered and ranked as usual, but the answer
+    /// says `shadow`, so gateways do not route on it; they still report the
+    /// outcome, which shows what routing would have gained.
+    pub shadow: bool,
 }
 
 impl Default for CachePolicy {
@@ -178,6 +182,7 @@ impl Default for CachePolicy {
             balance_half_life: Duration::from_secs(180),
             contention_weight: 0.25,
             continuation_weight: 0.35,
+            shadow: false,
         }
     }
 }
@@ -363,6 +368,7 @@ struct RawSpec {
     balance_half_life: Option<String>,
     contention_weight: Option<Number>,
     continuation_weight: Option<Number>,
+    shadow: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -599,6 +605,9 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
             ));
         }
         policy.continuation_weight = weight;
+    }
+    if let Some(v) = spec.shadow {
+        policy.shadow = v;
     }
     Ok(())
 }

@@ -264,13 +264,20 @@ impl InferenceCache for CacheService {
             }
         }
         let outcome = lookup(&self.index, &request, &input, started, deadline);
+        // Shadow mode: the same answer, flagged so gateways measure it without routing.
+        let shadow = self
+            .index
+            .index
+            .policies()
+            .for_tenant(&request.tenant_id)
+            .shadow;
         let response = LookupRouteResponse {
             replica_scores: outcome.scores.into_iter().map(replica_score).collect(),
             reason_code: outcome.reason.as_str().to_owned(),
             lookup_latency_us: elapsed_us(started),
             token_ids,
             adapter_id: outcome.adapter_id,
-            shadow: false,
+            shadow,
         };
         self.metrics
             .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());

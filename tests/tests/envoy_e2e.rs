@@ -317,6 +317,83 @@ async fn outcomes_reach_the_server_per_replica() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Shadow mode: the server answers PREFIX_MATCH as usual, the filter does
+/// not route on it (Envoy balances as without the cache plane), and each
+/// outcome is still recorded, under the replica routing would have chosen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_changes_no_routing_but_records_outcomes() -> anyhow::Result<()> {
+    let _serial = SERIAL.lock().await;
+    let policy = tempfile::tempdir()?;
+    let path = policy.path().join("policy.yaml");
+    std::fs::write(
+        &path,
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+         metadata: { name: shadow, namespace: \"*\" }\nspec:\n  ranker: Contract\n  shadow: true\n",
+    )?;
+    let mut config = inference_cache_server::ServeConfig::ephemeral();
+    config.index.policy_file = Some(path);
+    let server = TestServer::start_with(config).await?;
+    let stack = stack(server.grpc_addr(), 200).await?;
+    ingest_background(&server).await?;
+    let held: Vec<u32> = (0..128).collect();
+    ingest(&server, "replica-b", &held).await?;
+    let mut prompt = held.clone();
+    prompt.extend(900..940);
+    let mut client = HttpClient::connect(stack.envoy.addr).await?;
+    let mut served = BTreeSet::new();
+    for _ in 0..6 {
+        let response = client
+            .post(
+                "/v1/completions",
+                &[(FAKE_CACHED_TOKENS, "0")],
+                tokens_body(MODEL, &prompt),
+            )
+            .await?;
+        assert_eq!(response.status, 200, "{}", context(&stack));
+        assert_eq!(response.header(REASON), Some("PREFIX_MATCH"));
+        served.insert(response.served_by().unwrap_or_default().to_owned());
+    }
+    assert_eq!(
+        served.len(),
+        3,
+        "not routed: Envoy balanced over the pool: {served:?}\n{}",
+        context(&stack)
+    );
+    assert_eq!(
+        stack
+            .envoy
+            .stat("wasmcustom.inferencecache_filter.routed")
+            .await?,
+        0
+    );
+    assert_eq!(
+        stack
+            .envoy
+            .stat("wasmcustom.inferencecache_filter.shadow")
+            .await?,
+        6
+    );
+    let row = accuracy_row(&server, "replica-b", "shadow", 6, || context(&stack)).await?;
+    // What routing would have gained: 128 predicted tokens per request, none reused.
+    assert_eq!((row.outcomes, row.hinted_miss), (6, 6), "{row:?}");
+    assert_eq!((row.predicted_tokens, row.cached_tokens), (6 * 128, 0));
+    let state = server
+        .client()
+        .await?
+        .get_cache_state(GetCacheStateRequest {
+            model_id: MODEL.into(),
+            tenant_id: TENANT.into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        state.accuracy.iter().all(|row| row.mode == "shadow"),
+        "{:?}",
+        state.accuracy
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn affinity_hint_sends_a_prompt_to_the_same_replica_every_time() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;

@@ -174,3 +174,59 @@ async fn outcome_reports_are_scoped_like_producer_writes() -> anyhow::Result<()>
     );
     server.shutdown().await
 }
+
+#[tokio::test]
+async fn shadow_policy_flags_the_same_answer() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let policy = dir.path().join("policy.yaml");
+    let doc = |namespace: &str, shadow: bool| {
+        format!(
+            "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+             metadata: {{ name: p-{namespace}, namespace: {namespace} }}\nspec:\n  \
+             ranker: Contract\n  minimumMatchedTokens: 0\n  shadow: {shadow}\n"
+        )
+    };
+    std::fs::write(
+        &policy,
+        format!("{}---\n{}", doc("shadowed", true), doc("live", false)),
+    )?;
+    let mut config = ServeConfig::ephemeral();
+    config.index.policy_file = Some(policy);
+    let server = TestServer::start_with(config).await?;
+    let mut client = server.client().await?;
+    let tokens: Vec<u32> = (0..64).collect();
+    let mut answers = Vec::new();
+    for tenant in ["shadowed", "live"] {
+        let holder = inference_cache_tests::Holder {
+            replica: "r1",
+            tenant,
+            model: "m",
+            adapter: "",
+        };
+        inference_cache_tests::hold_tokens(&mut client, holder, &tokens).await?;
+        let answer = client
+            .lookup_route(inference_cache_proto::v1alpha1::LookupRouteRequest {
+                model_id: "m".into(),
+                tenant_id: tenant.into(),
+                hash_scheme: "vllm".into(),
+                token_ids: tokens.clone(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        answers.push(answer);
+    }
+    let [shadowed, live] = [&answers[0], &answers[1]];
+    assert!(shadowed.shadow && !live.shadow);
+    assert_eq!(shadowed.reason_code, "PREFIX_MATCH");
+    assert_eq!(shadowed.reason_code, live.reason_code);
+    let top = |answer: &inference_cache_proto::v1alpha1::LookupRouteResponse| {
+        answer
+            .replica_scores
+            .first()
+            .map(|score| (score.replica_id.clone(), score.matched_tokens))
+    };
+    assert_eq!(top(shadowed), Some(("r1".to_owned(), 64)));
+    assert_eq!(top(shadowed), top(live));
+    server.shutdown().await
+}

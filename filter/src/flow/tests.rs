@@ -936,3 +936,51 @@ fn unmeasured_responses_buffer_nothing_and_a_full_buffer_counts_drops() {
     }
     assert_eq!(buffer.borrow().len(), 1);
 }
+
+#[test]
+fn a_shadow_answer_is_measured_but_not_routed() {
+    let buffer = Rc::new(std::cell::RefCell::new(crate::report::OutcomeBuffer::new(
+        4,
+    )));
+    let mut host = FakeHost::request("POST", "/v1/completions", TOKENS_BODY);
+    let mut flow = RequestFlow::new(settings()).with_outcome_sink(Rc::clone(&buffer));
+    assert_eq!(send(&mut flow, &mut host), Action::Pause);
+    host.grpc_body = LookupRouteResponse {
+        reason_code: "PREFIX_MATCH".into(),
+        replica_scores: vec![ReplicaScore {
+            replica_id: "replica-a".into(),
+            matched_tokens: 16,
+            ..ReplicaScore::default()
+        }],
+        shadow: true,
+        ..LookupRouteResponse::default()
+    }
+    .encode_to_vec();
+    let size = host.grpc_body.len();
+    flow.on_lookup_response(&mut host, 7, 0, size);
+    assert_eq!(host.resumed, 1);
+    assert_eq!(
+        host.header(crate::config::DEFAULT_DESTINATION_HEADER),
+        None,
+        "never routed"
+    );
+    assert_eq!(host.counter(crate::outcome::SHADOW_METRIC), 1);
+    assert_eq!(host.counter(crate::outcome::ROUTED_METRIC), 0);
+    assert_eq!(
+        host.properties.get(REASON_PROPERTY).map(Vec::as_slice),
+        Some(b"PREFIX_MATCH".as_slice())
+    );
+    // Served elsewhere; the engine reused nothing.
+    host.properties
+        .insert("upstream.address".into(), b"10.0.0.9:8000".to_vec());
+    deliver(&mut flow, &mut host, "application/json", &usage_json(0), 64);
+    let outcomes = buffered(&buffer);
+    assert_eq!(outcomes.len(), 1);
+    let outcome = &outcomes[0];
+    assert_eq!(
+        outcome.replica_id, "replica-a",
+        "the replica routing would pick"
+    );
+    assert_eq!((outcome.predicted_tokens, outcome.cached_tokens), (16, 0));
+    assert!(outcome.shadow && !outcome.routed);
+}
