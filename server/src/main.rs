@@ -46,6 +46,8 @@ enum Command {
     Replay(ReplayArgs),
     /// Print a server's index changes (StreamCacheEvents) as they happen.
     Watch(WatchArgs),
+    /// See it work: simulated engines routed by inference-cache vs round-robin, side by side.
+    Demo(inference_cache_demo::DemoArgs),
 }
 
 /// Flags of `inference-cache serve`.
@@ -93,8 +95,9 @@ impl ServeArgs {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+fn init_logging(format: LogFormat, default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     // Colour only on a terminal: logs piped to a file or a collector stay plain.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -133,15 +136,33 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     server.wait().await
 }
 
+/// Runs the demo against a policy server started in-process with the embedded defaults.
+async fn demo(args: inference_cache_demo::DemoArgs) -> anyhow::Result<()> {
+    let server = start(ServeConfig::ephemeral()).await?;
+    let policy_server = inference_cache_demo::PolicyServer {
+        grpc_addr: server.grpc_addr,
+    };
+    let result = inference_cache_demo::run(args, policy_server).await;
+    server.shutdown_token().cancel();
+    server.wait().await?;
+    result.map(drop)
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // The demo's own output is the point: only warnings unless RUST_LOG says otherwise.
+    let default_level = match cli.command {
+        Command::Demo(_) => "warn",
+        _ => "info",
+    };
+    init_logging(cli.log_format, default_level);
     let result = match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Subscribe(args) => inference_cache_subscriber::run(args).await,
         Command::Replay(args) => inference_cache_replay::run(args).await.map_err(Into::into),
         Command::Watch(args) => inference_cache_server::watch(args).await,
+        Command::Demo(args) => demo(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
