@@ -70,6 +70,14 @@ impl Backend for InProcess {
     }
 
     fn lookup(&mut self, hashes: &[Vec<u8>], token_counts: &[i32]) -> Result<Answer, ReplayError> {
+        Ok(self.lookup_scored(hashes, token_counts)?.0)
+    }
+
+    fn lookup_scored(
+        &mut self,
+        hashes: &[Vec<u8>],
+        token_counts: &[i32],
+    ) -> Result<(Answer, u64), ReplayError> {
         let mut request = LookupRequest::new(TENANT, MODEL, HASH_SCHEME);
         if !hashes.is_empty() {
             request.chain = Some(Chain {
@@ -79,10 +87,15 @@ impl Backend for InProcess {
             request.wire_chain = true;
         }
         let outcome = self.index.lookup(&request);
-        Ok(Answer {
+        let matched = outcome
+            .scores
+            .first()
+            .map_or(0, |s| u64::try_from(s.matched_tokens).unwrap_or(0));
+        let answer = Answer {
             reason: outcome.reason.as_str().to_owned(),
             first: outcome.scores.first().map(|s| s.replica_id.to_string()),
-        })
+        };
+        Ok((answer, matched))
     }
 
     fn housekeeping(&mut self, now_ms: f64) {

@@ -172,6 +172,12 @@ pub trait Router {
         None
     }
 
+    /// The reuse (tokens) the router predicted for the request it routed
+    /// last, for the index-backed rows; `None` when it makes no prediction.
+    fn predicted_tokens(&self) -> Option<u64> {
+        None
+    }
+
     /// Called after the last request.
     fn finish(&mut self) -> Result<(), ReplayError> {
         Ok(())

@@ -175,6 +175,14 @@ impl Backend for Remote {
     }
 
     fn lookup(&mut self, hashes: &[Vec<u8>], token_counts: &[i32]) -> Result<Answer, ReplayError> {
+        Ok(self.lookup_scored(hashes, token_counts)?.0)
+    }
+
+    fn lookup_scored(
+        &mut self,
+        hashes: &[Vec<u8>],
+        token_counts: &[i32],
+    ) -> Result<(Answer, u64), ReplayError> {
         let request = wire::LookupRouteRequest {
             tenant_id: TENANT.into(),
             model_id: MODEL.into(),
@@ -189,14 +197,15 @@ impl Backend for Remote {
             .block_on(async move { client.lookup_route(request).await })
             .map_err(|s| self.error("LookupRoute", &s))?
             .into_inner();
-        Ok(Answer {
+        let top = response.replica_scores.into_iter().next();
+        let matched = top
+            .as_ref()
+            .map_or(0, |s| u64::try_from(s.matched_tokens).unwrap_or(0));
+        let answer = Answer {
             reason: response.reason_code,
-            first: response
-                .replica_scores
-                .into_iter()
-                .next()
-                .map(|s| s.replica_id),
-        })
+            first: top.map(|s| s.replica_id),
+        };
+        Ok((answer, matched))
     }
 
     fn finish(&mut self, replica_ids: &[String]) -> Result<(), ReplayError> {

@@ -1,12 +1,82 @@
 //! Rendering a replay's results: the text table (with reason-code shares
-//! under it) and the JSON document behind `--json`. Pure functions of the
-//! results, so tests compare strings.
+//! and hint accuracy under it) and the JSON document behind `--json`. Pure
+//! functions of the results, so tests compare strings.
+//!
+//! [`HintAccuracy`] holds the same predicted-vs-actual figures the server
+//! shows for live traffic (`GetCacheState.accuracy`, `/snapshot/accuracy`):
+//! per request, the hint's `matched_tokens` when the row routed on it (0
+//! otherwise) against the prompt tokens the serving replica's cache held.
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
 use crate::sim::PolicyResult;
+
+/// Predicted vs actual prefix reuse of one row's requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HintAccuracy {
+    /// Requests counted.
+    pub outcomes: u64,
+    /// Predicted reuse (> 0) and the cache held something.
+    pub hinted_hit: u64,
+    /// Predicted reuse, and the cache held nothing.
+    pub hinted_miss: u64,
+    /// No reuse predicted, and the cache held something.
+    pub not_hinted_hit: u64,
+    /// No reuse predicted, and none happened.
+    pub not_hinted_miss: u64,
+    /// Sum of predicted tokens.
+    pub predicted_tokens: u64,
+    /// Sum of cached (reused) tokens.
+    pub cached_tokens: u64,
+    /// Median of `cached / predicted` over requests with a prediction.
+    pub median_ratio: Option<f64>,
+    /// Median of `|cached − predicted| / predicted` over the same requests.
+    pub median_abs_error: Option<f64>,
+    #[serde(skip)]
+    ratios: Vec<f64>,
+    #[serde(skip)]
+    errors: Vec<f64>,
+}
+
+/// The lower median (the `⌈n/2⌉`-th smallest), `None` when empty.
+fn lower_median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some(values[values.len().div_ceil(2) - 1])
+}
+
+impl HintAccuracy {
+    /// Counts one request.
+    pub fn add(&mut self, predicted: u64, cached: u64) {
+        self.outcomes += 1;
+        match (predicted > 0, cached > 0) {
+            (true, true) => self.hinted_hit += 1,
+            (true, false) => self.hinted_miss += 1,
+            (false, true) => self.not_hinted_hit += 1,
+            (false, false) => self.not_hinted_miss += 1,
+        }
+        self.predicted_tokens += predicted;
+        self.cached_tokens += cached;
+        if predicted > 0 {
+            let predicted = predicted as f64;
+            self.ratios.push(cached as f64 / predicted);
+            self.errors
+                .push((cached as f64 - predicted).abs() / predicted);
+        }
+    }
+
+    /// The counts with the medians filled in.
+    pub fn finished(mut self) -> Self {
+        self.median_ratio = lower_median(&mut self.ratios);
+        self.median_abs_error = lower_median(&mut self.errors);
+        self
+    }
+}
 
 /// What was replayed and how, printed above the table and in the JSON.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -143,7 +213,38 @@ pub fn render_table(run: &RunInfo, results: &[PolicyResult]) -> String {
             let _ = writeln!(out, "  {}: {}", r.label, parts.join(", "));
         }
     }
+    let with_accuracy: Vec<(&PolicyResult, &HintAccuracy)> = results
+        .iter()
+        .filter_map(|r| r.hint_accuracy.as_ref().map(|a| (r, a)))
+        .collect();
+    if !with_accuracy.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nhint accuracy (predicted matched_tokens vs tokens the serving cache held):"
+        );
+        for (r, a) in with_accuracy {
+            let _ = writeln!(out, "  {}: {}", r.label, accuracy_line(a));
+        }
+    }
     out
+}
+
+/// One row's hint accuracy in a line.
+pub fn accuracy_line(a: &HintAccuracy) -> String {
+    let percent = |x: Option<f64>| x.map_or("–".to_owned(), |x| format!("{:.1} %", x * 100.0));
+    format!(
+        "hinted {} (hit {}, miss {}), not hinted {} (hit {}); predicted {} tokens, reused {}; \
+         median |actual − predicted| / predicted {}, median actual / predicted {}",
+        a.hinted_hit + a.hinted_miss,
+        a.hinted_hit,
+        a.hinted_miss,
+        a.not_hinted_hit + a.not_hinted_miss,
+        a.not_hinted_hit,
+        a.predicted_tokens,
+        a.cached_tokens,
+        percent(a.median_abs_error),
+        percent(a.median_ratio),
+    )
 }
 
 /// The `--json` document.
@@ -157,6 +258,32 @@ pub fn render_json(run: &RunInfo, results: &[PolicyResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hint_accuracy_counts_and_medians() {
+        let mut a = HintAccuracy::default();
+        for (predicted, cached) in [(100, 100), (100, 90), (100, 0), (0, 32), (0, 0), (64, 80)] {
+            a.add(predicted, cached);
+        }
+        let a = a.finished();
+        assert_eq!(a.outcomes, 6);
+        assert_eq!((a.hinted_hit, a.hinted_miss), (3, 1));
+        assert_eq!((a.not_hinted_hit, a.not_hinted_miss), (1, 1));
+        assert_eq!((a.predicted_tokens, a.cached_tokens), (364, 302));
+        // Ratios 1.0, 0.9, 0.0, 1.25 → lower median 0.9; errors 0, 0.1, 1, 0.25 → 0.1.
+        assert_eq!(a.median_ratio, Some(0.9));
+        assert_eq!(a.median_abs_error, Some(0.1));
+        assert_eq!(
+            accuracy_line(&a),
+            "hinted 4 (hit 3, miss 1), not hinted 2 (hit 1); predicted 364 tokens, reused 302; \
+             median |actual − predicted| / predicted 10.0 %, median actual / predicted 90.0 %"
+        );
+        let empty = HintAccuracy::default().finished();
+        assert_eq!((empty.median_ratio, empty.median_abs_error), (None, None));
+        let json = serde_json::to_value(&a).expect("serializes");
+        assert_eq!(json["medianAbsError"], 0.1);
+        assert!(json.get("ratios").is_none());
+    }
 
     #[test]
     fn milliseconds_read_naturally() {

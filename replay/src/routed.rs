@@ -85,6 +85,15 @@ pub trait Backend {
     fn publish(&mut self, events: Vec<CacheEvent>) -> Result<(), ReplayError>;
     /// LookupRoute with a wire chain.
     fn lookup(&mut self, hashes: &[Vec<u8>], token_counts: &[i32]) -> Result<Answer, ReplayError>;
+    /// [`Backend::lookup`], with the first ranked replica's `matched_tokens`
+    /// (the reuse the hint predicts; 0 when the backend does not say).
+    fn lookup_scored(
+        &mut self,
+        hashes: &[Vec<u8>],
+        token_counts: &[i32],
+    ) -> Result<(Answer, u64), ReplayError> {
+        Ok((self.lookup(hashes, token_counts)?, 0))
+    }
     /// Called after every stats report (the in-process index runs its TTL sweep).
     fn housekeeping(&mut self, _now_ms: f64) {}
     /// Called once after the last request.
@@ -105,6 +114,9 @@ pub struct IndexRouter<B> {
     report_at: ReportAt,
     /// Per replica, in due order (a replica's prefills end in FIFO order).
     pending: Vec<VecDeque<Pending>>,
+    /// The last routed request's predicted reuse: the hint's `matched_tokens`
+    /// when routed on it, 0 otherwise.
+    predicted: Option<u64>,
 }
 
 impl<B: Backend> IndexRouter<B> {
@@ -119,6 +131,7 @@ impl<B: Backend> IndexRouter<B> {
             counts: Vec::new(),
             report_at,
             pending: (0..replicas).map(|_| VecDeque::new()).collect(),
+            predicted: None,
         }
     }
 
@@ -222,13 +235,14 @@ impl<B: Backend> Router for IndexRouter<B> {
                 context.block_size as i32
             }
         }));
-        let answer = self.backend.lookup(&self.hashes, &self.counts)?;
+        let (answer, matched_tokens) = self.backend.lookup_scored(&self.hashes, &self.counts)?;
         let pick = match &answer.first {
             Some(first) if ROUTED_ON.contains(&answer.reason.as_str()) => {
                 self.ids.iter().position(|id| id == first)
             }
             _ => None,
         };
+        self.predicted = Some(if pick.is_some() { matched_tokens } else { 0 });
         *self.reasons.entry(answer.reason).or_default() += 1;
         Ok(pick.unwrap_or_else(|| self.fallback.pick(self.ids.len())))
     }
@@ -294,6 +308,10 @@ impl<B: Backend> Router for IndexRouter<B> {
 
     fn reasons(&self) -> Option<Vec<(String, u64)>> {
         Some(self.reasons.iter().map(|(k, v)| (k.clone(), *v)).collect())
+    }
+
+    fn predicted_tokens(&self) -> Option<u64> {
+        self.predicted
     }
 
     fn finish(&mut self) -> Result<(), ReplayError> {

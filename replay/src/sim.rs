@@ -23,6 +23,7 @@ use crate::policy::{
     LeastLoaded, Policy, RandomRouter, RoundRobin, RouteContext, Router, SessionHash,
 };
 use crate::replica::{Replica, Served, ServingModel};
+use crate::report::HintAccuracy;
 use crate::routed::{IndexRouter, ReportAt};
 use crate::trace::{Request, Trace};
 
@@ -180,6 +181,9 @@ pub struct PolicyResult {
     pub cached_blocks: Vec<u64>,
     /// Reason codes, for the rows that ask the index.
     pub reasons: Option<Vec<ReasonShare>>,
+    /// Predicted reuse (the hint's `matched_tokens`) against the reuse the
+    /// serving replica's cache gave, for the rows that ask the index.
+    pub hint_accuracy: Option<HintAccuracy>,
     /// Wall-clock seconds the row took to replay.
     pub wall_seconds: f64,
 }
@@ -248,7 +252,10 @@ pub fn simulate_with(
                 reason: format!("{policy} routed to replica {target} of {}", config.replicas),
             });
         }
-        run.serve(now_ms, target, request);
+        let hit = run.serve(now_ms, target, request);
+        if let Some(predicted) = router.predicted_tokens() {
+            run.accuracy.add(predicted, hit);
+        }
         router.admitted(
             &run.context(now_ms),
             target,
@@ -284,6 +291,7 @@ struct Run<'a> {
     stored: Vec<u64>,
     evicted: Vec<u64>,
     next_stats_ms: f64,
+    accuracy: HintAccuracy,
 }
 
 impl<'a> Run<'a> {
@@ -303,6 +311,7 @@ impl<'a> Run<'a> {
             stored: Vec::new(),
             evicted: Vec::new(),
             next_stats_ms: config.stats_interval_ms,
+            accuracy: HintAccuracy::default(),
         }
     }
 
@@ -329,7 +338,8 @@ impl<'a> Run<'a> {
     }
 
     /// `target` serves `request`: hits, admission, FIFO prefill, counters.
-    fn serve(&mut self, now_ms: f64, target: usize, request: &Request) {
+    /// Returns the prompt tokens its cache held.
+    fn serve(&mut self, now_ms: f64, target: usize, request: &Request) -> u64 {
         self.stored.clear();
         self.evicted.clear();
         let cache = match self.pooled.as_mut() {
@@ -349,6 +359,7 @@ impl<'a> Run<'a> {
         };
         let ttft = self.replicas[target].serve(now_ms, served, &self.config.model);
         self.ttfts.push(ttft);
+        hit
     }
 
     fn into_result(
@@ -390,6 +401,7 @@ impl<'a> Run<'a> {
                 None => per_replica(|r| r.cache.len() as u64),
             },
             reasons,
+            hint_accuracy: (self.accuracy.outcomes > 0).then(|| self.accuracy.finished()),
             wall_seconds: started.elapsed().as_secs_f64(),
         }
     }
