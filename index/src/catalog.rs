@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 
 /// Interned id of a tenant, model, scheme or adapter string.
@@ -97,18 +97,82 @@ impl Scope {
     }
 }
 
+/// Items under ids that are never reused (a stale id held across a lock
+/// release can only miss, never name another item); a freed id reads as
+/// absent and costs one empty slot.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    items: Vec<Option<Arc<T>>>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Self { items: Vec::new() }
+    }
+}
+
+impl<T> Slab<T> {
+    pub fn get(&self, id: u32) -> Option<&Arc<T>> {
+        self.items.get(id as usize)?.as_ref()
+    }
+
+    /// Live items in id order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<T>> {
+        self.items.iter().flatten()
+    }
+
+    /// Live items with their ids.
+    pub fn with_ids(&self) -> impl Iterator<Item = (u32, &Arc<T>)> {
+        self.items
+            .iter()
+            .enumerate()
+            .filter_map(|(i, item)| Some((i as u32, item.as_ref()?)))
+    }
+
+    fn push(&mut self, item: T) -> u32 {
+        let id = u32::try_from(self.items.len()).unwrap_or(u32::MAX);
+        self.items.push(Some(Arc::new(item)));
+        id
+    }
+
+    fn remove(&mut self, id: u32) {
+        if let Some(slot) = self.items.get_mut(id as usize) {
+            *slot = None;
+        }
+    }
+
+    /// One past the highest id handed out.
+    pub fn bound(&self) -> usize {
+        self.items.len()
+    }
+}
+
+/// What [`Catalog::free_unused`] dropped.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Freed {
+    pub partitions: usize,
+    pub scopes: usize,
+    pub names: usize,
+    pub replicas: usize,
+}
+
 /// Interned names, partitions and scopes.
 #[derive(Debug, Default)]
 pub(crate) struct Catalog {
     names: HashMap<Arc<str>, NameId>,
-    name_list: Vec<Arc<str>>,
+    name_list: Vec<Option<Arc<str>>>,
     replicas: HashMap<Arc<str>, ReplicaId>,
-    replica_list: Vec<Arc<str>>,
+    replica_list: Vec<Option<Arc<str>>>,
     partition_ids: HashMap<[NameId; 4], PartitionId>,
-    pub partitions: Vec<Arc<Partition>>,
+    pub partitions: Slab<Partition>,
     scope_ids: HashMap<[NameId; 3], u32>,
-    pub scopes: Vec<Arc<Scope>>,
+    pub scopes: Slab<Scope>,
     tenant_entries: HashMap<NameId, Arc<AtomicI64>>,
+    /// `(tenant, model)` pairs replicas joined in the fleet, kept until
+    /// the fleet has no member there.
+    joined: HashSet<[NameId; 2]>,
+    /// What a freed id reads as.
+    empty: Arc<str>,
 }
 
 impl Catalog {
@@ -117,9 +181,12 @@ impl Catalog {
         self.names.get(name).copied()
     }
 
-    /// The string behind a name id.
+    /// The string behind a name id (empty once freed).
     pub fn name_str(&self, id: NameId) -> &Arc<str> {
-        &self.name_list[id as usize]
+        self.name_list
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .unwrap_or(&self.empty)
     }
 
     /// Id of an already known replica.
@@ -127,9 +194,19 @@ impl Catalog {
         self.replicas.get(name).copied()
     }
 
-    /// The string behind a replica id.
+    /// The string behind a replica id (empty once freed).
     pub fn replica_str(&self, id: ReplicaId) -> &Arc<str> {
-        &self.replica_list[id as usize]
+        self.replica_list
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .unwrap_or(&self.empty)
+    }
+
+    /// Whether a replica id is still interned.
+    pub fn replica_alive(&self, id: ReplicaId) -> bool {
+        self.replica_list
+            .get(id as usize)
+            .is_some_and(Option::is_some)
     }
 
     /// Partition of already interned names.
@@ -152,7 +229,7 @@ impl Catalog {
     /// Scope of already interned names.
     pub fn scope(&self, tenant: &str, model: &str, scheme: &str) -> Option<&Arc<Scope>> {
         let key = [self.name(tenant)?, self.name(model)?, self.name(scheme)?];
-        self.scope_ids.get(&key).map(|&i| &self.scopes[i as usize])
+        self.scope_ids.get(&key).and_then(|&i| self.scopes.get(i))
     }
 
     pub fn intern_name(&mut self, name: &str) -> NameId {
@@ -161,7 +238,7 @@ impl Catalog {
         }
         let id = u32::try_from(self.name_list.len()).unwrap_or(u32::MAX);
         let shared: Arc<str> = Arc::from(name);
-        self.name_list.push(shared.clone());
+        self.name_list.push(Some(shared.clone()));
         self.names.insert(shared, id);
         id
     }
@@ -172,9 +249,30 @@ impl Catalog {
         }
         let id = u32::try_from(self.replica_list.len()).unwrap_or(u32::MAX);
         let shared: Arc<str> = Arc::from(name);
-        self.replica_list.push(shared.clone());
+        self.replica_list.push(Some(shared.clone()));
         self.replicas.insert(shared, id);
         id
+    }
+
+    /// Live names, replicas, partitions and scopes.
+    #[cfg(test)]
+    pub fn interned(&self) -> [usize; 4] {
+        [
+            self.names.len(),
+            self.replicas.len(),
+            self.partitions.iter().count(),
+            self.scopes.iter().count(),
+        ]
+    }
+
+    /// Whether `(tenant, model)` is known to have fleet members.
+    pub fn joined(&self, pair: [NameId; 2]) -> bool {
+        self.joined.contains(&pair)
+    }
+
+    /// Notes that a replica joined `(tenant, model)` in the fleet.
+    pub fn note_joined(&mut self, pair: [NameId; 2]) {
+        self.joined.insert(pair);
     }
 
     /// Partition id for the names, creating names, scope and partition as needed.
@@ -198,15 +296,13 @@ impl Catalog {
         let scope = match self.scope_ids.get(&scope_key) {
             Some(&s) => s,
             None => {
-                let s = u32::try_from(self.scopes.len()).unwrap_or(u32::MAX);
-                self.scopes.push(Arc::new(Scope::new(ids[0], ids[1])));
+                let s = self.scopes.push(Scope::new(ids[0], ids[1]));
                 self.scope_ids.insert(scope_key, s);
                 s
             }
         };
-        let p = u32::try_from(self.partitions.len()).unwrap_or(u32::MAX);
         let tenant_entries = self.tenant_entries.entry(ids[0]).or_default().clone();
-        self.partitions.push(Arc::new(Partition {
+        let p = self.partitions.push(Partition {
             tenant: ids[0],
             model: ids[1],
             adapter: ids[3],
@@ -214,8 +310,86 @@ impl Catalog {
             keys: AtomicI64::new(0),
             entries: AtomicI64::new(0),
             tenant_entries,
-        }));
+        });
         self.partition_ids.insert(ids, p);
         p
+    }
+
+    /// Frees partitions without entries, scopes without partitions or
+    /// holders, names nothing refers to and replicas `busy` does not claim.
+    /// `members(pair)` gives the hash schemes of the fleet's members of a
+    /// `(tenant, model)` pair, or `None` when it has none.
+    pub fn free_unused(
+        &mut self,
+        busy: impl Fn(ReplicaId) -> bool,
+        members: impl Fn([NameId; 2]) -> Option<Vec<NameId>>,
+    ) -> Freed {
+        let mut freed = Freed::default();
+        let Self {
+            partition_ids,
+            partitions,
+            ..
+        } = self;
+        partition_ids.retain(|_, &mut p| {
+            let empty = partitions.get(p).is_none_or(|q| {
+                q.entries.load(Ordering::Relaxed) <= 0 && q.keys.load(Ordering::Relaxed) <= 0
+            });
+            if empty {
+                partitions.remove(p);
+                freed.partitions += 1;
+            }
+            !empty
+        });
+        let mut scope_used: HashSet<u32> = self.partitions.iter().map(|p| p.scope).collect();
+        let Self {
+            scope_ids, scopes, ..
+        } = self;
+        scope_ids.retain(|_, &mut s| {
+            let keep = scope_used.contains(&s)
+                || scopes.get(s).is_some_and(|scope| scope.serving_count() > 0);
+            if !keep {
+                scopes.remove(s);
+                freed.scopes += 1;
+            }
+            keep
+        });
+        scope_used.clear();
+        let mut used: HashSet<NameId> = HashSet::new();
+        used.extend(self.partition_ids.keys().flatten().copied());
+        used.extend(self.scope_ids.keys().flatten().copied());
+        self.joined.retain(|&pair| match members(pair) {
+            Some(schemes) => {
+                used.extend(pair);
+                used.extend(schemes);
+                true
+            }
+            None => false,
+        });
+        let Self {
+            names, name_list, ..
+        } = self;
+        names.retain(|_, &mut id| {
+            let keep = used.contains(&id);
+            if !keep {
+                name_list[id as usize] = None;
+                freed.names += 1;
+            }
+            keep
+        });
+        self.tenant_entries.retain(|t, _| used.contains(t));
+        let Self {
+            replicas,
+            replica_list,
+            ..
+        } = self;
+        replicas.retain(|_, &mut id| {
+            let keep = busy(id);
+            if !keep {
+                replica_list[id as usize] = None;
+                freed.replicas += 1;
+            }
+            keep
+        });
+        freed
     }
 }

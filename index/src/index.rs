@@ -221,6 +221,7 @@ impl CacheIndex {
         if !update.tenant_id.is_empty() && !update.model_id.is_empty() {
             let [tenant, model, scheme] =
                 self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
+            self.note_joined([tenant, model]);
             self.fleet
                 .write()
                 .join(replica, tenant, model, Some(scheme));
@@ -280,9 +281,10 @@ impl CacheIndex {
             match (quota, parts.first()) {
                 (Some(max), Some(&(_, part, ..))) => {
                     let catalog = self.catalog.read();
-                    let held = catalog.partitions[part as usize]
-                        .tenant_entries
-                        .load(Ordering::Relaxed);
+                    let held = catalog
+                        .partitions
+                        .get(part)
+                        .map_or(0, |p| p.tenant_entries.load(Ordering::Relaxed));
                     i64::try_from(max).unwrap_or(i64::MAX) - held
                 }
                 _ => i64::MAX,
@@ -290,8 +292,31 @@ impl CacheIndex {
         };
         let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
         let mut keys: Vec<(Key<'_>, u32)> = Vec::new();
+        let mut replica = replica;
         {
             let mut w = self.store.write();
+            // A sweep may have freed an id resolved above (nothing held
+            // under it then); sweeps free under the writer, so checking here
+            // is enough. Ids are never reused, so a stale one cannot name
+            // another replica or partition.
+            {
+                let stale = {
+                    let catalog = self.catalog.read();
+                    !catalog.replica_alive(replica)
+                        || parts.iter().any(|p| catalog.partitions.get(p.1).is_none())
+                };
+                if stale {
+                    replica = self.replica_id(&update.replica_id);
+                    for part in parts.iter_mut() {
+                        part.1 = self.partition_id(
+                            &update.tenant_id,
+                            &update.model_id,
+                            &update.hash_scheme,
+                            part.0,
+                        );
+                    }
+                }
+            }
             // New entries this update may still add under the global cap.
             let cap = i64::try_from(self.max_entries()).unwrap_or(i64::MAX);
             let global_room = cap.saturating_sub(i64::try_from(w.entries()).unwrap_or(i64::MAX));
@@ -334,16 +359,18 @@ impl CacheIndex {
             report.entries_written = holding.written;
             report.entries_added = holding.added.max(0) as u64;
             report.entries_refused = holding.refused;
+            // Counters move with the store, under the writer, so a sweep
+            // never sees cells its counters do not show.
+            let mut deltas = Deltas::default();
+            for &(_, part, added, keys) in &parts {
+                deltas.entry(part, replica, added);
+                deltas.key(part, keys);
+            }
+            for &(part, victim) in &displaced {
+                deltas.entry(part, victim, -1);
+            }
+            self.apply(&deltas);
         }
-        let mut deltas = Deltas::default();
-        for &(_, part, added, keys) in &parts {
-            deltas.entry(part, replica, added);
-            deltas.key(part, keys);
-        }
-        for &(part, victim) in &displaced {
-            deltas.entry(part, victim, -1);
-        }
-        self.apply(&deltas);
         report.holders_displaced = displaced.len() as u64;
         self.count_evictions(EvictionReason::HoldersPerKey, report.holders_displaced);
         if report.entries_refused > 0 {
@@ -389,6 +416,14 @@ impl CacheIndex {
         }
     }
 
+    /// Remembers that the fleet has members in `(tenant, model)`, so the
+    /// names stay interned while it does.
+    fn note_joined(&self, pair: [NameId; 2]) {
+        if !self.catalog.read().joined(pair) {
+            self.catalog.write().note_joined(pair);
+        }
+    }
+
     /// Applies counter deltas to partitions, scopes and totals.
     pub(crate) fn apply(&self, deltas: &Deltas) {
         if deltas.entries.is_empty() && deltas.keys.is_empty() {
@@ -397,17 +432,20 @@ impl CacheIndex {
         let catalog = self.catalog.read();
         let mut total = 0;
         for (&(part, replica), &d) in &deltas.entries {
-            let partition = &catalog.partitions[part as usize];
-            partition.entries.fetch_add(d, Ordering::Relaxed);
-            partition.tenant_entries.fetch_add(d, Ordering::Relaxed);
-            catalog.scopes[partition.scope as usize].add(replica, d);
+            if let Some(partition) = catalog.partitions.get(part) {
+                partition.entries.fetch_add(d, Ordering::Relaxed);
+                partition.tenant_entries.fetch_add(d, Ordering::Relaxed);
+                if let Some(scope) = catalog.scopes.get(partition.scope) {
+                    scope.add(replica, d);
+                }
+            }
             total += d;
         }
         let mut keys = 0;
         for (&part, &d) in &deltas.keys {
-            catalog.partitions[part as usize]
-                .keys
-                .fetch_add(d, Ordering::Relaxed);
+            if let Some(partition) = catalog.partitions.get(part) {
+                partition.keys.fetch_add(d, Ordering::Relaxed);
+            }
             keys += d;
         }
         self.entries.fetch_add(total, Ordering::Relaxed);
@@ -448,6 +486,9 @@ impl CacheIndex {
         let replica = self.replica_id(&event.replica_id);
         let pair = (!event.tenant_id.is_empty() && !event.model_id.is_empty())
             .then(|| self.name_ids([&event.tenant_id, &event.model_id]));
+        if let Some(pair) = pair {
+            self.note_joined(pair);
+        }
         let mut fleet = self.fleet.write();
         let record = fleet.heard(replica, now_ms);
         if let Some([tenant, model]) = pair {
@@ -501,14 +542,13 @@ impl CacheIndex {
         };
         catalog
             .partitions
-            .iter()
-            .enumerate()
+            .with_ids()
             .filter(|(_, p)| {
                 tenant.is_none_or(|t| p.tenant == t)
                     && model.is_none_or(|m| p.model == m)
                     && adapter.is_none_or(|a| p.adapter == a)
             })
-            .map(|(i, _)| i as PartitionId)
+            .map(|(i, _)| i)
             .collect()
     }
 
@@ -521,22 +561,20 @@ impl CacheIndex {
         };
         let parts = self.event_partitions(event, true);
         let mut deltas = Deltas::default();
-        {
-            let mut w = self.store.write();
-            for part in parts {
-                let key = Key::of_bytes(part, &event.prefix_hash);
-                let (entry, key) = w.release(part, &key, replica);
-                if entry {
-                    deltas.entry(part, replica, -1);
-                }
-                if key {
-                    deltas.key(part, -1);
-                }
+        let mut w = self.store.write();
+        for part in parts {
+            let key = Key::of_bytes(part, &event.prefix_hash);
+            let (entry, key) = w.release(part, &key, replica);
+            if entry {
+                deltas.entry(part, replica, -1);
+            }
+            if key {
+                deltas.key(part, -1);
             }
         }
-        let removed = -deltas.total_entries();
         self.apply(&deltas);
-        removed as u64
+        drop(w);
+        -deltas.total_entries() as u64
     }
 
     fn clear_replica(&self, event: &CacheEvent) -> u64 {
@@ -555,14 +593,15 @@ impl CacheIndex {
             wanted[p as usize] = true;
         }
         let mut deltas = Deltas::default();
-        self.store.write().clear(
+        let mut w = self.store.write();
+        w.clear(
             replica,
             |part| wanted.get(part as usize).copied().unwrap_or(false),
             &mut deltas,
         );
-        let removed = -deltas.total_entries();
         self.apply(&deltas);
-        removed as u64
+        drop(w);
+        -deltas.total_entries() as u64
     }
 
     /// The `(tenant, model)` aggregate behind GetCacheState.
@@ -678,7 +717,13 @@ impl CacheIndex {
                 row.0.entry_count += p.entries.load(Ordering::Relaxed);
             }
         }
-        for &r in self.fleet.read().records.keys() {
+        for &r in self
+            .fleet
+            .read()
+            .records
+            .keys()
+            .filter(|&&r| catalog.replica_alive(r))
+        {
             held.entry(r).or_insert(0);
         }
         let replicas = self.replica_states(&catalog, &held);

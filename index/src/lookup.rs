@@ -385,7 +385,10 @@ impl CacheIndex {
         let scheme = catalog.name(req.hash_scheme);
         let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
         for member in fleet.members(tenant, model) {
+            // An id freed by a sweep while a membership was being written
+            // is never named.
             if member.serves(scheme)
+                && catalog.replica_alive(member.replica)
                 && fleet.is_live(member.replica, ctx.now_ms, timeout_ms, || {
                     scope.is_some_and(|s| s.holds(member.replica))
                 })

@@ -527,4 +527,9 @@ pub struct SweepReport {
     pub capacity: u64,
     /// Serving-set memberships ended because heartbeats stopped.
     pub members_expired: u64,
+    /// Interned tenant / model / scheme / adapter names and replica ids
+    /// freed because nothing refers to them any more.
+    pub names_freed: u64,
+    /// Partitions freed because they hold no entries.
+    pub partitions_freed: u64,
 }

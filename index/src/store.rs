@@ -479,6 +479,11 @@ impl Writing<'_> {
         self.w.entries
     }
 
+    /// Whether `replica` has a cell anywhere.
+    pub fn holds_any(&self, replica: ReplicaId) -> bool {
+        self.w.by_replica.contains_key(&replica)
+    }
+
     /// Run id bound, for sweeps.
     pub fn run_bound(&self) -> u32 {
         self.w.bodies.len() as u32

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 
 use hashbrown::HashMap;
 
-use crate::catalog::NameId;
+use crate::catalog::{Freed, NameId, ReplicaId};
 use crate::clock::ms_to_secs;
 use crate::index::{CacheIndex, Deltas};
 use crate::model::{EvictionReason, SweepReport};
@@ -41,10 +41,13 @@ impl CacheIndex {
         let policies = self.policies.load();
         let (tenant_of, names, mut per_tenant) = {
             let catalog = self.catalog.read();
-            let tenant_of: Vec<NameId> = catalog.partitions.iter().map(|p| p.tenant).collect();
+            let mut tenant_of: Vec<NameId> = vec![NameId::MAX; catalog.partitions.bound()];
+            for (id, p) in catalog.partitions.with_ids() {
+                tenant_of[id as usize] = p.tenant;
+            }
             let mut per_tenant: HashMap<NameId, i64> = HashMap::new();
             let mut names: HashMap<NameId, String> = HashMap::new();
-            for p in &catalog.partitions {
+            for p in catalog.partitions.iter() {
                 *per_tenant.entry(p.tenant).or_insert(0) += p.entries.load(Ordering::Relaxed);
                 names
                     .entry(p.tenant)
@@ -101,6 +104,9 @@ impl CacheIndex {
             report.capacity = self.evict(&tenant_of, &plan, &mode);
             self.count_evictions(EvictionReason::Capacity, report.capacity);
         }
+        let freed = self.free_unused();
+        report.names_freed = (freed.names + freed.replicas) as u64;
+        report.partitions_freed = freed.partitions as u64;
         report
     }
 
@@ -120,41 +126,48 @@ impl CacheIndex {
     fn expire(&self) -> u64 {
         let now = ms_to_secs(self.now_ms());
         let policies = self.policies.load();
+        // Cells of a freed partition go too; partitions newer than this
+        // list are left alone.
         let cutoff: Vec<u32> = {
             let catalog = self.catalog.read();
-            catalog
-                .partitions
-                .iter()
-                .map(|p| {
-                    let ttl = policies
-                        .for_tenant(catalog.name_str(p.tenant))
-                        .eviction_ttl
-                        .as_secs();
-                    now.saturating_sub(u32::try_from(ttl).unwrap_or(u32::MAX))
-                })
-                .collect()
+            let mut cutoff = vec![u32::MAX; catalog.partitions.bound()];
+            for (id, p) in catalog.partitions.with_ids() {
+                let ttl = policies
+                    .for_tenant(catalog.name_str(p.tenant))
+                    .eviction_ttl
+                    .as_secs();
+                cutoff[id as usize] = now.saturating_sub(u32::try_from(ttl).unwrap_or(u32::MAX));
+            }
+            cutoff
         };
-        let mut deltas = Deltas::default();
-        self.each_run_chunk(|w, run| {
-            w.retain(
-                run,
-                |part, _, cell| {
-                    cutoff
-                        .get(part as usize)
-                        .is_none_or(|&c| cell.last_seen() >= c)
-                },
-                &mut deltas,
-            );
-        });
+        let mut removed = 0;
+        self.each_run_chunk(
+            |w, run, deltas| {
+                w.retain(
+                    run,
+                    |part, _, cell| {
+                        cutoff
+                            .get(part as usize)
+                            .is_none_or(|&c| cell.last_seen() >= c)
+                    },
+                    deltas,
+                );
+            },
+            &mut removed,
+        );
         self.store.write().compact_table();
-        let removed = -deltas.total_entries();
-        self.apply(&deltas);
-        removed.max(0) as u64
+        removed
     }
 
     /// Calls `visit` for every run id, taking the writer for [`SWEEP_CHUNK`]
-    /// runs at a time so ingest is never held up for a whole pass.
-    fn each_run_chunk(&self, mut visit: impl FnMut(&mut Writing<'_>, u32)) {
+    /// runs at a time so ingest is never held up for a whole pass; the
+    /// counter changes of each chunk are applied before the writer is let
+    /// go, and the entries removed are added to `removed`.
+    fn each_run_chunk(
+        &self,
+        mut visit: impl FnMut(&mut Writing<'_>, u32, &mut Deltas),
+        removed: &mut u64,
+    ) {
         let mut start = 0;
         loop {
             let mut w = self.store.write();
@@ -163,11 +176,47 @@ impl CacheIndex {
                 return;
             }
             let end = (start + SWEEP_CHUNK).min(bound);
+            let mut deltas = Deltas::default();
             for run in start..end {
-                visit(&mut w, run);
+                visit(&mut w, run, &mut deltas);
             }
+            self.apply(&deltas);
+            *removed += (-deltas.total_entries()).max(0) as u64;
             start = end;
         }
+    }
+
+    /// Frees partitions, scopes, names and replica ids nothing refers to any
+    /// more, so a flood of names costs nothing once it is cleared.
+    fn free_unused(&self) -> Freed {
+        // Lock order: store writer, catalog, fleet (lookups take catalog
+        // then fleet, and nothing waits for the writer holding either).
+        let w = self.store.write();
+        let mut catalog = self.catalog.write();
+        let mut fleet = self.fleet.write();
+        // Records written under an id freed by an earlier sweep (an update
+        // that raced it) go, with their memberships.
+        let dead: Vec<ReplicaId> = fleet
+            .records
+            .keys()
+            .copied()
+            .filter(|&r| !catalog.replica_alive(r))
+            .collect();
+        for r in dead {
+            fleet.leave(r, None, None);
+        }
+        catalog.free_unused(
+            |replica| w.holds_any(replica) || fleet.records.contains_key(&replica),
+            |[tenant, model]| {
+                let members = fleet.members(tenant, model);
+                (!members.is_empty()).then(|| {
+                    members
+                        .iter()
+                        .flat_map(|m| m.schemes.iter().copied())
+                        .collect()
+                })
+            },
+        )
     }
 
     /// Evicts `plan[tenant]` entries of each tenant in its victim order:
@@ -193,15 +242,19 @@ impl CacheIndex {
             })
         };
         let mut counts: HashMap<NameId, BTreeMap<u64, u64>> = HashMap::new();
-        self.each_run_chunk(|w, run| {
-            w.for_each(run, |part, _, cell| {
-                if let Some(&tenant) = tenant_of.get(part as usize)
-                    && let Some(key) = order(tenant, cell)
-                {
-                    *counts.entry(tenant).or_default().entry(key).or_insert(0) += 1;
-                }
-            });
-        });
+        let mut nothing = 0;
+        self.each_run_chunk(
+            |w, run, _| {
+                w.for_each(run, |part, _, cell| {
+                    if let Some(&tenant) = tenant_of.get(part as usize)
+                        && let Some(key) = order(tenant, cell)
+                    {
+                        *counts.entry(tenant).or_default().entry(key).or_insert(0) += 1;
+                    }
+                });
+            },
+            &mut nothing,
+        );
         // Per tenant: evict every key below `cut`, and `at_cut` cells at it.
         let mut cuts: HashMap<NameId, (u64, u64)> = HashMap::new();
         for (tenant, keys) in &counts {
@@ -224,33 +277,34 @@ impl CacheIndex {
             }
             cuts.insert(*tenant, cut);
         }
-        let mut deltas = Deltas::default();
-        self.each_run_chunk(|w, run| {
-            w.retain(
-                run,
-                |part, _, cell| {
-                    let Some(&tenant) = tenant_of.get(part as usize) else {
-                        return true;
-                    };
-                    let (Some(key), Some(cut)) = (order(tenant, cell), cuts.get_mut(&tenant))
-                    else {
-                        return true;
-                    };
-                    if key < cut.0 {
-                        return false;
-                    }
-                    if key == cut.0 && cut.1 > 0 {
-                        cut.1 -= 1;
-                        return false;
-                    }
-                    true
-                },
-                &mut deltas,
-            );
-        });
+        let mut removed = 0;
+        self.each_run_chunk(
+            |w, run, deltas| {
+                w.retain(
+                    run,
+                    |part, _, cell| {
+                        let Some(&tenant) = tenant_of.get(part as usize) else {
+                            return true;
+                        };
+                        let (Some(key), Some(cut)) = (order(tenant, cell), cuts.get_mut(&tenant))
+                        else {
+                            return true;
+                        };
+                        if key < cut.0 {
+                            return false;
+                        }
+                        if key == cut.0 && cut.1 > 0 {
+                            cut.1 -= 1;
+                            return false;
+                        }
+                        true
+                    },
+                    deltas,
+                );
+            },
+            &mut removed,
+        );
         self.store.write().compact_table();
-        let removed = -deltas.total_entries();
-        self.apply(&deltas);
-        removed.max(0) as u64
+        removed
     }
 }

@@ -941,3 +941,59 @@ fn all_cleared_touches_only_what_the_replica_held() {
     assert_eq!(f.index.store.write().shape().0, 0);
     assert_eq!((f.index.entry_count(), f.index.prefix_count()), (0, 0));
 }
+
+#[test]
+fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
+    let f = fixture();
+    f.hold("A", &chain(0..4));
+    heartbeat(&f.index, "A");
+    f.index.sweep();
+    let baseline = f.index.catalog.read().interned();
+    let flood = 2_000u64;
+    for i in 0..flood {
+        let mut u = update(
+            &format!("flood-{i}"),
+            vec![chain_prefix(&chain(i..i + 2), 16)],
+        );
+        u.tenant_id = format!("tenant-{i}");
+        u.model_id = format!("model-{i}");
+        u.adapter_id = format!("adapter-{i}");
+        f.index.ingest(&u);
+    }
+    let [names, replicas, partitions, _] = f.index.catalog.read().interned();
+    assert!(names >= baseline[0] + 3 * flood as usize);
+    assert_eq!(replicas, baseline[1] + flood as usize);
+    assert_eq!(partitions, baseline[2] + flood as usize);
+    // Nothing is freed while the names are in use.
+    assert_eq!(f.index.sweep().partitions_freed, 0);
+    for i in 0..flood {
+        let report = f.index.publish(&CacheEvent {
+            kind: EventKind::AllCleared,
+            replica_id: format!("flood-{i}"),
+            model_id: String::new(),
+            tenant_id: String::new(),
+            prefix_hash: Vec::new(),
+            adapter_id: String::new(),
+        });
+        assert_eq!(report.entries_removed, 2);
+    }
+    let report = f.index.sweep();
+    assert_eq!(report.partitions_freed, flood);
+    assert!(report.names_freed >= 4 * flood, "{report:?}");
+    assert_eq!(f.index.catalog.read().interned(), baseline);
+    assert_eq!(f.index.snapshot().replicas.len(), 1);
+    // What stayed still answers, and a freed name comes back as new.
+    assert_eq!(f.lookup_chain(&chain(0..4)).reason, Reason::PrefixMatch);
+    let mut u = update("flood-7", vec![chain_prefix(&chain(7..9), 16)]);
+    u.tenant_id = "tenant-7".into();
+    f.index.ingest(&u);
+    let mut r = LookupRequest::new("tenant-7", M, S);
+    let blocks = chain(7..9);
+    let counts = [16, 16];
+    r.chain = Some(Chain {
+        hashes: BlockHashes::Bytes(&blocks),
+        token_counts: &counts,
+    });
+    let o = f.index.lookup(&r);
+    assert_eq!(ids(&o), ["flood-7"]);
+}
