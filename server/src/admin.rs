@@ -1,4 +1,5 @@
-//! Admin HTTP listener: liveness, readiness, Prometheus metrics and the
+//! Admin HTTP listener: liveness, readiness (with a `canary:` line while the
+//! canary disagrees, see [`crate::canary`]), Prometheus metrics and the
 //! hint-accuracy aggregate (`/snapshot/accuracy`: every outcome series the
 //! gateways reported, as JSON; metadata only).
 
@@ -33,10 +34,19 @@ pub fn router(state: AdminState) -> Router {
 }
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
+    // A failing canary is a detail, not unreadiness: hints fail open.
+    let canary = state
+        .metrics
+        .canary_failure()
+        .map(|failure| format!("canary: {failure}\n"))
+        .unwrap_or_default();
     if state.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n")
+        (StatusCode::OK, format!("ready\n{canary}"))
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\n{canary}"),
+        )
     }
 }
 

@@ -19,6 +19,7 @@
 
 mod admin;
 pub mod auth;
+mod canary;
 mod config;
 mod grpc;
 mod index_runtime;

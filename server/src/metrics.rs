@@ -52,6 +52,13 @@ pub struct AuthLabel {
     pub reason: String,
 }
 
+/// Label set of a canary run.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    /// `pass` or `fail`.
+    pub result: String,
+}
+
 /// All server metrics and the registry that renders them.
 pub struct Metrics {
     registry: Registry,
@@ -73,6 +80,13 @@ pub struct Metrics {
     pub streams_cut: Counter,
     /// Hint accuracy per (tenant, model, replica, mode), from `ReportOutcomes`.
     pub outcomes: OutcomeBook,
+    /// `inferencecache_canary_checks_total{result}`: canary runs by result.
+    pub canary_checks: Family<ResultLabel, Counter>,
+    /// `inferencecache_canary_ok`: 1 when the last canary run agreed, 0 when
+    /// it did not, -1 before the first run.
+    pub canary_ok: Gauge,
+    /// The last canary run's disagreements, for `/readyz`.
+    canary_failure: parking_lot::Mutex<Option<String>>,
 }
 
 impl Metrics {
@@ -148,6 +162,24 @@ impl Metrics {
             });
         }
         let outcomes = OutcomeBook::new(outcome_settings, &mut registry);
+        let canary_checks = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "canary_checks",
+            "Canary runs (tokenizer, fingerprint and index agree on a known prompt) by result",
+            canary_checks.clone(),
+        );
+        for result in ["pass", "fail"] {
+            let _ = canary_checks.get_or_create(&ResultLabel {
+                result: result.to_owned(),
+            });
+        }
+        let canary_ok = Gauge::default();
+        canary_ok.set(-1);
+        registry.register(
+            "canary_ok",
+            "1 when the last canary run agreed, 0 when it did not, -1 before the first run",
+            canary_ok.clone(),
+        );
         Self {
             registry,
             lookup_calls,
@@ -159,7 +191,27 @@ impl Metrics {
             auth_refused,
             streams_cut,
             outcomes,
+            canary_checks,
+            canary_ok,
+            canary_failure: parking_lot::Mutex::new(None),
         }
+    }
+
+    /// Records one canary run.
+    pub fn record_canary(&self, report: &crate::canary::CanaryReport) {
+        let result = if report.passed() { "pass" } else { "fail" };
+        self.canary_checks
+            .get_or_create(&ResultLabel {
+                result: result.to_owned(),
+            })
+            .inc();
+        self.canary_ok.set(i64::from(report.passed()));
+        *self.canary_failure.lock() = (!report.passed()).then(|| report.failures.join("; "));
+    }
+
+    /// The last canary run's disagreements, if it had any.
+    pub fn canary_failure(&self) -> Option<String> {
+        self.canary_failure.lock().clone()
     }
 
     /// Mutable access to the registry, for components registering their own metrics at start-up.

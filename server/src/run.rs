@@ -178,6 +178,12 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     .max_decoding_message_size(limits.grpc_max_message_bytes);
 
     index.spawn_background(config.index.sweep_interval, stop_accepting.clone());
+    crate::canary::spawn(
+        Arc::clone(&prompts),
+        Arc::clone(&index),
+        Arc::clone(&metrics),
+        stop_accepting.clone(),
+    );
     prompts.spawn_background(stop_accepting.clone());
     auth.spawn_background(stop_accepting.clone());
     metrics.server_up.set(1);
