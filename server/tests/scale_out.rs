@@ -275,3 +275,49 @@ async fn stream_cache_events_carries_changes_made_on_another_server() {
     assert!(end.is_none(), "{end:?}");
     a.stop().await;
 }
+
+#[tokio::test]
+async fn a_slow_stream_cache_events_consumer_is_dropped_and_never_slows_ingest() {
+    let mut h = Harness::start_with("", |config| {
+        config.index.streams.event_buffer = 16;
+    })
+    .await;
+    // A watcher that never reads while 20,000 updates go in.
+    let mut stalled = h
+        .client
+        .stream_cache_events(StreamEventsRequest::default())
+        .await
+        .expect("watch")
+        .into_inner();
+    let updates: Vec<_> = (0..20_000u64)
+        .map(|i| update("10.0.4.1:8000", vec![exact_entry(i, 64)]))
+        .collect();
+    let started = Instant::now();
+    h.report(updates).await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(20), "ingest took {took:?}");
+    // What the transport had buffered arrives, then the watcher is ended.
+    let end = loop {
+        match tokio::time::timeout(CONVERGE, stalled.next())
+            .await
+            .expect("the watcher ends")
+        {
+            Some(Ok(_)) => continue,
+            other => break other,
+        }
+    };
+    let status = end
+        .expect("an error, not a clean end")
+        .expect_err("dropped");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    let dropped = h
+        .metric("inferencecache_stream_consumers_dropped_total{stream=\"events\"}")
+        .await
+        .expect("metric");
+    assert_eq!(dropped, 1.0);
+    assert_eq!(
+        h.metric("inferencecache_ingest_updates_total").await,
+        Some(20_000.0)
+    );
+    h.stop().await;
+}
