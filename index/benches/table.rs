@@ -4,16 +4,25 @@
 //! replicas; with `--features compare-kv-index`, the same workload on the
 //! published `kv-index` crate (`ChainIndex`) in the same run.
 //!
+//! A second table times the same lookups while another thread ingests (a
+//! replica warming the same prefixes, cleared with ALL_CLEARED after every
+//! pass over its feed) and reports that thread's rate; a third times the
+//! lookup of one chain held by thousands of replicas.
+//!
 //! Run: `cargo bench -p inference-cache-index --bench table --features compare-kv-index`
-//! (`TABLE_SIZES=1000000:1,10000000:2` picks entries:holders pairs).
+//! (`TABLE_SIZES=1000000:1,10000000:2` picks entries:holders pairs,
+//! `MANY_HOLDERS=5000` the holder counts of the third table).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::Instant;
 
-use inference_cache_index::{BlockHashes, CacheIndex, Chain, LookupRequest, Reason, SystemClock};
+use inference_cache_index::{
+    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, EventKind, LookupRequest, Reason,
+    SystemClock,
+};
 
 mod support;
 use support::{BLOCK, CHAIN_BLOCKS, Workload};
@@ -80,6 +89,66 @@ struct Row {
     p50_ns: u64,
     p99_ns: u64,
     p999_ns: u64,
+    busy: Busy,
+}
+
+/// Lookups timed while another thread ingests.
+#[derive(Default)]
+struct Busy {
+    p50_ns: u64,
+    p99_ns: u64,
+    p999_ns: u64,
+    /// The other thread's block reports per second.
+    ingest_per_sec: f64,
+}
+
+/// Updates the ingesting thread cycles through (then clears its replica).
+const FEED: usize = 2048;
+/// Lookups timed per measurement.
+const BUSY_LOOKUPS: usize = 100_000;
+
+/// Times `lookup` on this thread while `ingest_one` runs on another;
+/// `ingest_one(i)` ingests feed item `i` and returns the block reports it made.
+fn under_ingest(
+    chains: usize,
+    mut lookup: impl FnMut(usize),
+    ingest_one: impl Fn(usize) -> usize + Sync,
+) -> Busy {
+    let stop = AtomicBool::new(false);
+    let started = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let feeder = scope.spawn(|| {
+            let start = Instant::now();
+            let mut reports = 0usize;
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                reports += ingest_one(i);
+                i += 1;
+                if i == 64 {
+                    started.store(true, Ordering::Relaxed);
+                }
+            }
+            reports as f64 / start.elapsed().as_secs_f64()
+        });
+        while !started.load(Ordering::Relaxed) {
+            std::hint::spin_loop();
+        }
+        let mut samples = Vec::with_capacity(BUSY_LOOKUPS);
+        for c in lookup_order(chains, BUSY_LOOKUPS) {
+            let t = Instant::now();
+            lookup(c);
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+        stop.store(true, Ordering::Relaxed);
+        let ingest_per_sec = feeder.join().expect("feeder");
+        samples.sort_unstable();
+        Busy {
+            p50_ns: percentile(&samples, 0.5),
+            p99_ns: percentile(&samples, 0.99),
+            p999_ns: percentile(&samples, 0.999),
+            ingest_per_sec,
+        }
+    })
 }
 
 fn percentile(sorted: &[u64], q: f64) -> u64 {
@@ -138,6 +207,45 @@ fn ours(work: &Workload) -> Row {
     }
     assert_eq!(hits, LOOKUPS, "every lookup must find its chain");
     samples.sort_unstable();
+    // Another replica warms the same prefixes while lookups run, and is
+    // cleared after every pass over the feed.
+    let feed: Vec<CacheUpdate> = work
+        .chains
+        .iter()
+        .take(FEED)
+        .map(|c| {
+            let mut u = support::update(0, c);
+            u.replica_id = "ingest".into();
+            u
+        })
+        .collect();
+    let clear = CacheEvent {
+        kind: EventKind::AllCleared,
+        replica_id: "ingest".into(),
+        model_id: String::new(),
+        tenant_id: String::new(),
+        prefix_hash: Vec::new(),
+        adapter_id: String::new(),
+    };
+    let busy = under_ingest(
+        work.chains.len(),
+        |c| {
+            let mut r = LookupRequest::new("tenant", "model", "vllm");
+            r.chain = Some(Chain {
+                hashes: BlockHashes::Bytes(&work.chains[c]),
+                token_counts: &counts,
+            });
+            black_box(index.lookup(&r));
+        },
+        |i| {
+            let u = &feed[i % feed.len()];
+            index.ingest(u);
+            if i % feed.len() == feed.len() - 1 {
+                index.publish(&clear);
+            }
+            u.prefixes[0].block_hashes.len()
+        },
+    );
     Row {
         name: "inference-cache-index",
         entries,
@@ -147,6 +255,7 @@ fn ours(work: &Workload) -> Row {
         p50_ns: percentile(&samples, 0.5),
         p99_ns: percentile(&samples, 0.99),
         p999_ns: percentile(&samples, 0.999),
+        busy,
     }
 }
 
@@ -204,6 +313,25 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         assert!(!scores.scores.is_empty());
     }
     samples.sort_unstable();
+    let feeder = index.intern_worker("ingest").expect("worker slot");
+    let feeder_map = std::sync::Mutex::new(ChainBlockMap::default());
+    let busy = under_ingest(
+        work.chains.len(),
+        |c| {
+            black_box(index.find_matches(&requests[c], false));
+        },
+        |i| {
+            let mut map = feeder_map.lock().expect("feeder map");
+            let chain = &blocks[i % FEED.min(blocks.len())];
+            index
+                .apply_stored(feeder, chain, None, &mut map)
+                .expect("store");
+            if i % FEED.min(blocks.len()) == FEED.min(blocks.len()) - 1 {
+                index.apply_cleared(feeder, &mut map);
+            }
+            chain.len()
+        },
+    );
     Row {
         name: "kv-index 2.0.0 ChainIndex",
         entries,
@@ -213,7 +341,42 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         p50_ns: percentile(&samples, 0.5),
         p99_ns: percentile(&samples, 0.99),
         p999_ns: percentile(&samples, 0.999),
+        busy,
     }
+}
+
+/// Lookup latency of one 64-block chain held by `holders` replicas.
+fn many_holders(holders: usize) {
+    let work = Workload::new(1, 1);
+    let chain = &work.chains[0];
+    let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
+    index.set_max_holders_per_key(holders);
+    for r in 0..holders {
+        let mut u = support::update(0, chain);
+        u.replica_id = format!("replica-{r}");
+        index.ingest(&u);
+    }
+    assert_eq!(index.entry_count() as usize, holders * CHAIN_BLOCKS);
+    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
+    let mut samples = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let mut r = LookupRequest::new("tenant", "model", "vllm");
+        r.chain = Some(Chain {
+            hashes: BlockHashes::Bytes(chain),
+            token_counts: &counts,
+        });
+        let t = Instant::now();
+        let outcome = black_box(index.lookup(&r));
+        samples.push(t.elapsed().as_nanos() as u64);
+        assert!(!outcome.scores.is_empty());
+    }
+    samples.sort_unstable();
+    println!(
+        "| inference-cache-index | 1 chain of {CHAIN_BLOCKS} blocks | {holders} | {:.1} µs | {:.1} µs | {:.1} µs |",
+        percentile(&samples, 0.5) as f64 / 1e3,
+        percentile(&samples, 0.99) as f64 / 1e3,
+        percentile(&samples, 0.999) as f64 / 1e3,
+    );
 }
 
 fn sizes() -> Vec<(usize, usize)> {
@@ -241,6 +404,7 @@ fn main() {
         "| index | block-replica entries | holders/block | bytes/entry | ingest block reports/s | lookup p50 | lookup p99 | lookup p99.9 |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let mut busy_rows = Vec::new();
     for (entries, holders) in sizes() {
         let work = Workload::new(entries, holders);
         #[cfg_attr(not(feature = "compare-kv-index"), allow(unused_mut))]
@@ -272,5 +436,40 @@ fn main() {
                 a.p999_ns as f64 / b.p999_ns as f64,
             );
         }
+        busy_rows.extend(rows);
+    }
+    println!();
+    println!(
+        "| index | block-replica entries | holders/block | idle p99 | p50 under ingest | p99 under ingest | p99.9 under ingest | concurrent ingest block reports/s | p99 under ingest / idle |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &busy_rows {
+        println!(
+            "| {} | {} | {} | {:.2} µs | {:.2} µs | {:.2} µs | {:.2} µs | {:.2}M | {:.2}× |",
+            r.name,
+            r.entries,
+            r.holders,
+            r.p99_ns as f64 / 1e3,
+            r.busy.p50_ns as f64 / 1e3,
+            r.busy.p99_ns as f64 / 1e3,
+            r.busy.p999_ns as f64 / 1e3,
+            r.busy.ingest_per_sec / 1e6,
+            r.busy.p99_ns as f64 / r.p99_ns as f64,
+        );
+    }
+    println!();
+    println!(
+        "| index | workload | holders of the chain | lookup p50 | lookup p99 | lookup p99.9 |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    let spec = std::env::var("MANY_HOLDERS").unwrap_or_else(|_| {
+        if std::env::args().any(|a| a == "--bench") {
+            "5000".into()
+        } else {
+            "50".into()
+        }
+    });
+    for n in spec.split(',').filter_map(|n| n.trim().parse().ok()) {
+        many_holders(n);
     }
 }

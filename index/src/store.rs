@@ -356,6 +356,9 @@ pub(crate) struct Writer {
     by_replica: HashMap<ReplicaId, HashSet<u32>>,
     /// Held cells in the store.
     entries: u64,
+    /// Replaced key tables some reader may still hold: kept until none does,
+    /// so the writer, not a lookup, pays for freeing them.
+    retired: Vec<Arc<KeyTable>>,
 }
 
 /// The store.
@@ -462,10 +465,11 @@ impl Store {
 
     /// The writer (blocks other writers, never readers).
     pub fn write(&self) -> Writing<'_> {
-        Writing {
-            store: self,
-            w: self.writer.lock(),
+        let mut w = self.writer.lock();
+        if !w.retired.is_empty() {
+            w.retired.retain(|t| Arc::strong_count(t) > 1);
         }
+        Writing { store: self, w }
     }
 }
 
@@ -539,7 +543,8 @@ impl Writing<'_> {
     fn swap_table(&mut self, next: KeyTable) {
         let next = Arc::new(next);
         self.store.table.store(next.clone());
-        self.w.table = next;
+        let old = std::mem::replace(&mut self.w.table, next);
+        self.w.retired.push(old);
     }
 
     /// Shrinks the key table if removals left it mostly empty.
