@@ -1,0 +1,210 @@
+//! Scale-out with real processes: two `inference-cache serve --nats-url`
+//! binaries on one NATS JetStream server; one is killed with SIGKILL while
+//! the other keeps ingesting and answering, then restarted: it is not ready
+//! until it has replayed the log, and then answers exactly like the survivor.
+//! No lookup on the survivor fails at any point.
+
+mod nats_support;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
+use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest, PrefixEntry};
+use nats_support::Nats;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+const POLICY: &str = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+    metadata: {name: all, namespace: \"*\"}\nspec:\n  ranker: Contract\n";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// A server process and its ports.
+struct ServerProcess {
+    child: Child,
+    grpc: u16,
+    admin: u16,
+}
+
+impl ServerProcess {
+    fn spawn(nats: &Nats, policy: &std::path::Path) -> Self {
+        let (grpc, admin) = (free_port(), free_port());
+        let child = Command::new(env!("CARGO_BIN_EXE_inference-cache"))
+            .args(["serve", "--shutdown-delay", "0s"])
+            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+            .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
+            .args(["--nats-url", &nats.url(), "--nats-ack-timeout", "500ms"])
+            .arg("--policy-file")
+            .arg(policy)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn inference-cache serve");
+        Self { child, grpc, admin }
+    }
+
+    async fn client(&self) -> InferenceCacheClient<tonic::transport::Channel> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match InferenceCacheClient::connect(format!("http://127.0.0.1:{}", self.grpc)).await {
+                Ok(c) => return c,
+                Err(e) => assert!(Instant::now() < deadline, "server never listened: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn readyz(&self) -> u16 {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.admin)).await else {
+            return 0;
+        };
+        let request = "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+        if stream.write_all(request.as_bytes()).await.is_err() {
+            return 0;
+        }
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw).await;
+        String::from_utf8_lossy(&raw)
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    }
+
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.readyz().await != 200 {
+            assert!(Instant::now() < deadline, "never ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn blocks(id: u64) -> Vec<Vec<u8>> {
+    (0..3)
+        .map(|b| (id * 16 + b).to_be_bytes().to_vec())
+        .collect()
+}
+
+fn report(id: u64) -> CacheStateUpdate {
+    CacheStateUpdate {
+        replica_id: format!("10.0.9.{}:8000", id % 4),
+        model_id: "llama".into(),
+        tenant_id: "team-a".into(),
+        hash_scheme: "vllm".into(),
+        prefixes: vec![PrefixEntry {
+            block_hashes: blocks(id),
+            block_token_counts: vec![64; 3],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn lookup(id: u64) -> LookupRouteRequest {
+    LookupRouteRequest {
+        model_id: "llama".into(),
+        tenant_id: "team-a".into(),
+        hash_scheme: "vllm".into(),
+        block_hashes: blocks(id),
+        block_token_counts: vec![64; 3],
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_killed_server_restarts_from_the_log_and_converges_while_the_survivor_never_fails() {
+    let nats = Nats::launch().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(&policy, POLICY).expect("policy");
+    let survivor = ServerProcess::spawn(&nats, &policy);
+    let mut victim = ServerProcess::spawn(&nats, &policy);
+    survivor.wait_ready().await;
+    victim.wait_ready().await;
+    let mut to_survivor = survivor.client().await;
+    let mut to_victim = victim.client().await;
+    to_survivor
+        .report_cache_state(tokio_stream::iter((0..20).map(report)))
+        .await
+        .expect("report");
+    to_victim
+        .report_cache_state(tokio_stream::iter((20..40).map(report)))
+        .await
+        .expect("report");
+
+    // Lookups on the survivor, back to back, for the whole test.
+    let errors = Arc::new(AtomicU64::new(0));
+    let answered = Arc::new(AtomicU64::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let prober = {
+        let (errors, answered, stop) = (errors.clone(), answered.clone(), stop.clone());
+        let mut client = survivor.client().await;
+        tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.is_cancelled() {
+                match client.lookup_route(lookup(i % 40)).await {
+                    Ok(_) => answered.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => errors.fetch_add(1, Ordering::Relaxed),
+                };
+                i += 1;
+            }
+        })
+    };
+
+    victim.kill();
+    to_survivor
+        .report_cache_state(tokio_stream::iter((40..80).map(report)))
+        .await
+        .expect("report while the other server is down");
+    let restarted = ServerProcess::spawn(&nats, &policy);
+    let mut to_restarted = restarted.client().await;
+    restarted.wait_ready().await;
+    // Ready means caught up: every answer matches the survivor's at once.
+    for id in 0..80 {
+        let a = to_survivor
+            .lookup_route(lookup(id))
+            .await
+            .expect("lookup")
+            .into_inner();
+        let b = to_restarted
+            .lookup_route(lookup(id))
+            .await
+            .expect("lookup")
+            .into_inner();
+        assert_eq!(a.reason_code, "PREFIX_MATCH", "{id}");
+        let ids = |r: &inference_cache_proto::v1alpha1::LookupRouteResponse| {
+            r.replica_scores
+                .iter()
+                .map(|s| s.replica_id.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            (a.reason_code.as_str(), ids(&a)),
+            (b.reason_code.as_str(), ids(&b)),
+            "{id}"
+        );
+    }
+    stop.cancel();
+    prober.await.expect("prober");
+    assert_eq!(errors.load(Ordering::Relaxed), 0);
+    assert!(answered.load(Ordering::Relaxed) > 10);
+}
