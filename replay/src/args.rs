@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use inference_cache_index::{PolicySet, parse_duration};
 
+use crate::chat::{ChatConfig, DEFAULT_CHAT_REQUESTS};
 use crate::error::ReplayError;
 use crate::policy::Policy;
 use crate::replica::ServingModel;
@@ -33,20 +34,35 @@ pub struct ReplayArgs {
     #[arg(
         long,
         value_name = "FILE",
-        required_unless_present = "synthetic",
-        conflicts_with = "synthetic"
+        required_unless_present_any = ["synthetic", "chat_model"],
+        conflicts_with_all = ["synthetic", "chat_model"]
     )]
     pub trace: Option<PathBuf>,
 
     /// Generate the trace instead (shared system prompts, multi-turn chats, agent loops).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "chat_model")]
     pub synthetic: bool,
+
+    /// Generate a chat workload instead and render every request with this
+    /// model's tokenizer and chat template (a subdirectory of
+    /// --tokenizer-models-dir): OpenAI chat requests, agent loops calling tools.
+    #[arg(long, value_name = "MODEL", requires = "tokenizer_models_dir")]
+    pub chat_model: Option<String>,
+
+    /// Chat workload: directory with one subdirectory per model (as `serve`'s flag).
+    #[arg(long, value_name = "DIR", env = "INFERENCE_CACHE_TOKENIZER_MODELS_DIR")]
+    pub tokenizer_models_dir: Option<PathBuf>,
+
+    /// Chat workload: write tool definitions, calls and results as plain text
+    /// instead (the same conversations without tools, for comparison).
+    #[arg(long, requires = "chat_model")]
+    pub without_tools: bool,
 
     /// Tokens per block of the trace's `hash_ids`.
     #[arg(long, default_value_t = DEFAULT_TRACE_BLOCK_SIZE, value_name = "TOKENS")]
     pub trace_block_size: u32,
 
-    /// Synthetic: requests to generate (default 4000). With --trace: replay only the first N.
+    /// Synthetic: requests to generate (default 4000; chat workload 1000). With --trace: replay only the first N.
     #[arg(long, value_name = "N")]
     pub requests: Option<usize>,
 
@@ -141,6 +157,8 @@ pub enum Source {
     },
     /// The built-in generator.
     Synthetic(SyntheticConfig),
+    /// The chat workload, rendered by a real tokenizer and chat template.
+    Chat(ChatConfig),
 }
 
 /// Validated settings of one replay.
@@ -208,15 +226,33 @@ impl ReplayArgs {
                 if self.sessions == 0 {
                     return Err(bad("sessions", "must be at least 1"));
                 }
-                Source::Synthetic(SyntheticConfig {
-                    requests: self.requests.unwrap_or(DEFAULT_REQUESTS),
-                    sessions: self.sessions,
-                    system_prompts: self.system_prompts.max(1),
-                    agent_share: self.agent_share,
-                    rate: positive("rate", self.rate)?,
-                    block_size: self.trace_block_size,
-                    seed: self.seed,
-                })
+                if let Some(model) = self.chat_model {
+                    let tokenizers = self
+                        .tokenizer_models_dir
+                        .ok_or_else(|| bad("tokenizer-models-dir", "the chat workload needs it"))?;
+                    Source::Chat(ChatConfig {
+                        tokenizers,
+                        model,
+                        tools: !self.without_tools,
+                        requests: self.requests.unwrap_or(DEFAULT_CHAT_REQUESTS),
+                        sessions: self.sessions,
+                        system_prompts: self.system_prompts.max(1),
+                        agent_share: self.agent_share,
+                        rate: positive("rate", self.rate)?,
+                        block_size: self.trace_block_size,
+                        seed: self.seed,
+                    })
+                } else {
+                    Source::Synthetic(SyntheticConfig {
+                        requests: self.requests.unwrap_or(DEFAULT_REQUESTS),
+                        sessions: self.sessions,
+                        system_prompts: self.system_prompts.max(1),
+                        agent_share: self.agent_share,
+                        rate: positive("rate", self.rate)?,
+                        block_size: self.trace_block_size,
+                        seed: self.seed,
+                    })
+                }
             }
         };
         let policies = self.policies.unwrap_or_else(|| {

@@ -32,6 +32,7 @@
 //! See `docs/replay.md` for the simulation model and every flag.
 
 mod args;
+mod chat;
 mod error;
 mod inprocess;
 mod lru;
@@ -52,6 +53,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 pub use args::{ReplayArgs, ReplaySettings, Source};
+pub use chat::{ChatConfig, DEFAULT_CHAT_REQUESTS, MAX_CONTEXT_TOKENS, generate_chat};
 pub use error::{ReplayError, TraceError};
 pub use inprocess::InProcess;
 pub use lru::BlockLru;
@@ -146,6 +148,7 @@ fn run_rows(
 pub fn load_trace(settings: &ReplaySettings) -> Result<Trace, ReplayError> {
     match &settings.source {
         Source::Synthetic(config) => Ok(generate(config)),
+        Source::Chat(config) => generate_chat(config),
         Source::File {
             path,
             block_size,
@@ -174,6 +177,16 @@ fn run_info(settings: &ReplaySettings, trace: &Trace) -> RunInfo {
     let source = match &settings.source {
         Source::File { path, .. } => path.display().to_string(),
         Source::Synthetic(c) => format!("synthetic (seed {})", c.seed),
+        Source::Chat(c) => format!(
+            "chat workload (seed {}) rendered for {}, {}",
+            c.seed,
+            c.model,
+            if c.tools {
+                "with tools"
+            } else {
+                "tools as text"
+            }
+        ),
     };
     RunInfo {
         source,

@@ -248,7 +248,7 @@ fn agent_session(g: &mut Generator, start_ms: f64, template: &Context, turns: us
 }
 
 /// Index drawn with probability proportional to `weights`.
-fn pick_weighted(rng: &mut Rng, weights: &[f64]) -> usize {
+pub(crate) fn pick_weighted(rng: &mut Rng, weights: &[f64]) -> usize {
     let total: f64 = weights.iter().sum();
     let mut x = rng.unit() * total;
     for (i, w) in weights.iter().enumerate() {
@@ -261,7 +261,7 @@ fn pick_weighted(rng: &mut Rng, weights: &[f64]) -> usize {
 }
 
 /// Divides `requests` among sessions (agent loops weigh double), at least one each.
-fn divide(rng: &mut Rng, requests: usize, agent: &[bool]) -> Vec<usize> {
+pub(crate) fn divide(rng: &mut Rng, requests: usize, agent: &[bool]) -> Vec<usize> {
     let weights: Vec<f64> = agent
         .iter()
         .map(|&a| rng.exponential(1.0) * if a { 2.0 } else { 1.0 })
