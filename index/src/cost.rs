@@ -59,7 +59,7 @@ use crate::catalog::{Catalog, ReplicaId};
 use crate::fleet::Fleet;
 use crate::index::CacheIndex;
 use crate::lookup::{Candidate, Ctx, Ranked, Serving};
-use crate::model::{Chain, ReplicaScore, Tier};
+use crate::model::{Chain, Decision, ReplicaScore, Tier};
 use crate::policy::CachePolicy;
 use crate::store::HashRef;
 
@@ -276,8 +276,18 @@ pub(crate) fn rank_by_cost(
     let distinguishing = best.matched - view.common_tokens;
     let evidence = distinguishing as f64 * ctx.freshness(best.oldest_seen);
     if distinguishing < floor || evidence < policy.routing_floor_score {
+        let longest = view.members.iter().map(|m| m.matched).max().unwrap_or(0);
+        let why = if distinguishing < floor && longest - view.common_tokens >= floor {
+            // A member holds real evidence, but its cost sent the request on.
+            Decision::Load
+        } else if distinguishing < floor && view.common_tokens > 0 {
+            Decision::SharedHead
+        } else {
+            Decision::BelowFloor
+        };
         return Ranked::Downgraded {
             seed_block: view.common_blocks,
+            why,
         };
     }
     let total = request_tokens.max(1) as f64;

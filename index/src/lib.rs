@@ -62,10 +62,10 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_HOLDERS_PER_KEY};
 pub use lookup::{affinity_digest, pick_affinity};
 pub use model::{
-    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, DropReason, EventKind, EventReport,
-    EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT, PrefixReport, Reason,
-    ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot, SweepReport,
-    TenantSnapshot, Tier,
+    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, Decision, DropReason, EventKind,
+    EventReport, EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT,
+    PrefixReport, Reason, ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
+    SweepReport, TenantSnapshot, Tier,
 };
 pub use policy::{
     AffinityAlgorithm, CachePolicy, DEFAULT_NAMESPACE, Eviction, PolicyError, PolicySet, Ranker,

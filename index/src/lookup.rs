@@ -30,7 +30,9 @@ use crate::clock::ms_to_secs;
 use crate::cost::{bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
-use crate::model::{Chain, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier};
+use crate::model::{
+    Chain, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier,
+};
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
@@ -128,12 +130,16 @@ pub(crate) enum Ranked {
     /// `seed_block` (the first block not every live member holds).
     Downgraded {
         seed_block: usize,
+        why: Decision,
     },
     Diagnostic(Reason),
 }
 
 impl Ranked {
-    pub(crate) const DOWNGRADED: Self = Self::Downgraded { seed_block: 0 };
+    pub(crate) const DOWNGRADED: Self = Self::Downgraded {
+        seed_block: 0,
+        why: Decision::BelowFloor,
+    };
 }
 
 pub(crate) struct Ctx<'a> {
@@ -254,6 +260,7 @@ impl CacheIndex {
         // The cost-aware ranker reads every member's load once, for the
         // ranking and for the fallback alike.
         let mut loads: Option<crate::cost::Members> = None;
+        let missed = matches!(matched, Matched::Miss);
         let ranked = match (matched, policy.ranker) {
             (Matched::Hits, Ranker::Contract) => self.rank_prefix_match(
                 &ctx,
@@ -292,8 +299,24 @@ impl CacheIndex {
                 }
             }
         };
+        let mut decision = match &ranked {
+            Ranked::Hint(Reason::TenantHot, _) => Decision::TenantHot,
+            Ranked::Hint(_, scores) => {
+                let longest = cands.as_slice().iter().map(|c| c.matched).max();
+                match (scores.first(), longest) {
+                    (Some(top), Some(longest)) if i64::from(top.matched_tokens) < longest => {
+                        Decision::Load
+                    }
+                    _ => Decision::MatchDepth,
+                }
+            }
+            Ranked::Diagnostic(_) => Decision::Diagnostic,
+            Ranked::Downgraded { .. } if missed => Decision::NoMatch,
+            Ranked::Downgraded { why, .. } => *why,
+        };
         let ranked = match ranked {
             Ranked::Hint(_, _) if request_tokens < i64::from(policy.minimum_prefix_tokens) => {
+                decision = Decision::PrefixGate;
                 Ranked::DOWNGRADED
             }
             other => other,
@@ -303,9 +326,10 @@ impl CacheIndex {
                 reason,
                 scores,
                 adapter_id: adapter.to_owned(),
+                decision,
             },
             Ranked::Diagnostic(code) => LookupOutcome::empty(code, adapter),
-            Ranked::Downgraded { seed_block } => {
+            Ranked::Downgraded { seed_block, .. } => {
                 let pick = match policy.ranker {
                     Ranker::Contract => {
                         self.affinity(policy, &catalog, &serving, chain, req.prefix_hash)
@@ -332,8 +356,12 @@ impl CacheIndex {
                         reason: Reason::AffinityHint,
                         scores: vec![score],
                         adapter_id: adapter.to_owned(),
+                        decision,
                     },
-                    None => LookupOutcome::empty(Reason::NoHint, adapter),
+                    None => LookupOutcome {
+                        decision,
+                        ..LookupOutcome::empty(Reason::NoHint, adapter)
+                    },
                 }
             }
         };

@@ -378,6 +378,69 @@ pub struct ReplicaScore {
     pub tier: Tier,
 }
 
+/// What decided a lookup's answer, next to its reason code: a small, fixed
+/// set, so it can label a metric and answer "why is my hit rate low" from
+/// the metrics alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// PREFIX_MATCH on the replica with the longest live match.
+    MatchDepth,
+    /// PREFIX_MATCH on a replica with a shorter match than another live one:
+    /// queued work or balance outweighed the extra cached tokens.
+    Load,
+    /// Downgraded: only a head most live members hold matched (a shared
+    /// system prompt or tool preamble says nothing about where to go).
+    SharedHead,
+    /// Downgraded: the match was below `minimumMatchedTokens` or the routing
+    /// floor (short, or stale).
+    BelowFloor,
+    /// Downgraded: no live member holds the request's first block.
+    NoMatch,
+    /// TENANT_HOT: the tenant's hottest replicas, for a non-chain miss.
+    TenantHot,
+    /// Downgraded: the request is shorter than `minimumPrefixTokens`.
+    PrefixGate,
+    /// A diagnostic code (unknown tenant, model or hash scheme).
+    Diagnostic,
+    /// The deadline passed.
+    Timeout,
+    /// Answered before the index was consulted: the probe tenant, a
+    /// malformed or missing fingerprint, or a policy that requires a chain.
+    NotConsulted,
+}
+
+impl Decision {
+    /// Every decision, in declaration order.
+    pub const ALL: [Self; 10] = [
+        Self::MatchDepth,
+        Self::Load,
+        Self::SharedHead,
+        Self::BelowFloor,
+        Self::NoMatch,
+        Self::TenantHot,
+        Self::PrefixGate,
+        Self::Diagnostic,
+        Self::Timeout,
+        Self::NotConsulted,
+    ];
+
+    /// A stable snake_case name (metric label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MatchDepth => "match_depth",
+            Self::Load => "load",
+            Self::SharedHead => "shared_head",
+            Self::BelowFloor => "below_floor",
+            Self::NoMatch => "no_match",
+            Self::TenantHot => "tenant_hot",
+            Self::PrefixGate => "prefix_gate",
+            Self::Diagnostic => "diagnostic",
+            Self::Timeout => "timeout",
+            Self::NotConsulted => "not_consulted",
+        }
+    }
+}
+
 /// What a lookup answers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LookupOutcome {
@@ -387,14 +450,24 @@ pub struct LookupOutcome {
     pub scores: Vec<ReplicaScore>,
     /// Echo of the partition consulted; empty on envelopes returned before the index is consulted.
     pub adapter_id: String,
+    /// What decided the answer.
+    pub decision: Decision,
 }
 
 impl LookupOutcome {
     pub(crate) fn empty(reason: Reason, adapter: &str) -> Self {
+        let decision = match reason {
+            Reason::Timeout => Decision::Timeout,
+            Reason::UnknownTenant | Reason::UnknownModel | Reason::UnknownHashScheme => {
+                Decision::Diagnostic
+            }
+            _ => Decision::NotConsulted,
+        };
         Self {
             reason,
             scores: Vec::new(),
             adapter_id: adapter.to_owned(),
+            decision,
         }
     }
 }

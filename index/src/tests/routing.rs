@@ -428,3 +428,53 @@ fn a_shared_preamble_is_copied_before_a_conversation_is_moved() {
     let (moves, _) = preamble_and_conversation("1");
     assert!(moves > 0, "the conversation never moved");
 }
+
+#[test]
+fn every_answer_says_what_decided_it() {
+    let f = fixture();
+    cost_aware(&f);
+    let head = chain(1..4);
+    for r in ["a", "b", "c", "d"] {
+        announce(&f, r);
+        f.hold(r, &head);
+        load(&f, r, 0, 0);
+    }
+    let mut session = head.clone();
+    session.extend(chain(50..58));
+    f.hold("a", &session);
+    let mut next = session.clone();
+    next.extend(chain(60..62));
+    // Teach the index what a request costs.
+    for i in 0..50 {
+        f.lookup_chain(&chain(500 + i * 10..510 + i * 10));
+    }
+    for r in ["a", "b", "c", "d"] {
+        load(&f, r, 0, 0);
+    }
+    let o = f.lookup_chain(&next);
+    assert_eq!(
+        (o.reason, o.decision),
+        (Reason::PrefixMatch, Decision::MatchDepth)
+    );
+    let mut fresh = head.clone();
+    fresh.extend(chain(900..903));
+    let o = f.lookup_chain(&fresh);
+    assert_eq!(
+        (o.reason, o.decision),
+        (Reason::AffinityHint, Decision::SharedHead)
+    );
+    let o = f.lookup_chain(&chain(7_000..7_003));
+    assert_eq!(
+        (o.reason, o.decision),
+        (Reason::AffinityHint, Decision::NoMatch)
+    );
+    load(&f, "a", 60, 8);
+    let o = f.lookup_chain(&next);
+    assert_ne!(o.scores[0].replica_id.as_ref(), "a", "a is swamped");
+    assert_eq!(o.decision, Decision::Load);
+    load(&f, "a", 0, 0);
+    f.policy("  ranker: CostAware\n  minimumPrefixTokens: 100000\n");
+    assert_eq!(f.lookup_chain(&next).decision, Decision::PrefixGate);
+    let names: std::collections::HashSet<&str> = Decision::ALL.iter().map(|d| d.as_str()).collect();
+    assert_eq!(names.len(), Decision::ALL.len());
+}
