@@ -212,19 +212,19 @@ impl CacheIndex {
         let now_ms = self.now_ms();
         let now = ms_to_secs(now_ms);
         let replica = self.replica_id(&update.replica_id);
-        self.record_stats(replica, update.stats.as_ref(), now_ms);
+        let join = (!update.hash_scheme.is_empty()
+            && !update.tenant_id.is_empty()
+            && !update.model_id.is_empty())
+        .then(|| {
+            let ids = self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
+            self.note_joined([ids[0], ids[1]]);
+            ids
+        });
+        self.record_stats(replica, update.stats.as_ref(), now_ms, join);
         report.stats_recorded = update.stats.is_some();
         if update.hash_scheme.is_empty() {
             report.drop(DropReason::EmptyHashScheme, prefix_total);
             return report;
-        }
-        if !update.tenant_id.is_empty() && !update.model_id.is_empty() {
-            let [tenant, model, scheme] =
-                self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
-            self.note_joined([tenant, model]);
-            self.fleet
-                .write()
-                .join(replica, tenant, model, Some(scheme));
         }
         // (adapter, partition, new entries, new keys) of this update.
         let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
@@ -397,7 +397,16 @@ impl CacheIndex {
         self.max_holders.store(max.max(1) as u64, Ordering::Relaxed);
     }
 
-    fn record_stats(&self, replica: ReplicaId, stats: Option<&ReplicaStatsReport>, now_ms: u64) {
+    /// Marks the replica heard, records its stats and joins it to the
+    /// `(tenant, model)` serving set under `scheme` (`join`), in one hold of
+    /// the fleet's write lock.
+    fn record_stats(
+        &self,
+        replica: ReplicaId,
+        stats: Option<&ReplicaStatsReport>,
+        now_ms: u64,
+        join: Option<[NameId; 3]>,
+    ) {
         let target = match stats {
             Some(s) if !s.replica_id.is_empty() => Some(self.replica_id(&s.replica_id)),
             _ => None,
@@ -413,6 +422,9 @@ impl CacheIndex {
         fleet.heard(replica, now_ms);
         if let Some(stats) = stats {
             fleet.record_stats(target.unwrap_or(replica), stats, now_ms);
+        }
+        if let Some([tenant, model, scheme]) = join {
+            fleet.join(replica, tenant, model, Some(scheme));
         }
     }
 

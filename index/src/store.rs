@@ -43,6 +43,7 @@ use std::sync::{Arc, OnceLock};
 use arc_swap::{ArcSwap, ArcSwapOption, Guard};
 use hashbrown::{HashMap, HashSet};
 use parking_lot::{Mutex, MutexGuard};
+use smallvec::SmallVec;
 
 use crate::catalog::{PartitionId, ReplicaId};
 use crate::table::{KeyTable, Probe};
@@ -194,6 +195,9 @@ impl RunData {
     }
 }
 
+/// A run's rows, sorted by replica id.
+type Rows = SmallVec<[Row; 4]>;
+
 /// One row: a replica and the slot of its cells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Row {
@@ -205,7 +209,8 @@ struct Row {
 #[derive(Debug)]
 pub(crate) struct Body {
     pub part: PartitionId,
-    rows: Box<[Row]>,
+    /// Inline for the common few holders: one dependent load less per run.
+    rows: Rows,
     data: Arc<RunData>,
 }
 
@@ -685,7 +690,7 @@ impl Writing<'_> {
             );
             Body {
                 part: body.part,
-                rows: rows.into_boxed_slice(),
+                rows: Rows::from_vec(rows),
                 data: body.data.clone(),
             }
         } else {
@@ -729,7 +734,7 @@ impl Writing<'_> {
                 let cap = remaining.clamp(1, RUN_BLOCKS);
                 let body = Body {
                     part,
-                    rows: Box::new([]),
+                    rows: Rows::new(),
                     data: Arc::new(RunData::new(cap, 1, key.hash.is_wide())),
                 };
                 self.publish(run, body);
@@ -903,14 +908,14 @@ impl Writing<'_> {
         let next = if rows.len() * 2 < data.used_rows.load(Ordering::Relaxed) as usize {
             let trimmed = Body {
                 part: body.part,
-                rows: rows.into_boxed_slice(),
+                rows: Rows::from_vec(rows),
                 data: body.data.clone(),
             };
             rebuilt(&trimmed, data.cap, None)
         } else {
             Body {
                 part: body.part,
-                rows: rows.into_boxed_slice(),
+                rows: Rows::from_vec(rows),
                 data: body.data.clone(),
             }
         };
@@ -977,7 +982,7 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
     data.len.store(len as u32, Ordering::Relaxed);
     Body {
         part: body.part,
-        rows: rows.into_boxed_slice(),
+        rows: Rows::from_vec(rows),
         data: Arc::new(data),
     }
 }
