@@ -41,7 +41,9 @@ use crate::outcome::{
     FailureKind, LOOKUPS_METRIC, Outcome, ROUTED_METRIC, SHADOW_METRIC, SPOOFED_DESTINATION_METRIC,
     decide, reason_metric,
 };
-use crate::report::{OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, SharedBuffer};
+use crate::report::{
+    OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, OUTCOMES_REROUTED_METRIC, SharedBuffer,
+};
 use crate::request::{Api, BodyError, classify, lookup_request, parse_body};
 
 /// gRPC service of the lookup.
@@ -381,11 +383,22 @@ impl RequestFlow {
         self.response = self.response_reader(host);
         if self.response.is_some()
             && let Some(prediction) = &mut self.prediction
-            && prediction.replica_id.is_empty()
+            && (prediction.routed || prediction.replica_id.is_empty())
             && let Some(address) = host.property(&UPSTREAM_ADDRESS)
         {
-            let address = String::from_utf8_lossy(&address);
-            prediction.replica_id = self.settings.replica_of(&address).unwrap_or_default();
+            let served = String::from_utf8_lossy(&address);
+            if !prediction.routed {
+                prediction.replica_id = self.settings.replica_of(&served).unwrap_or_default();
+            } else if let Some(Outcome::Routed { endpoint, .. }) = &self.outcome
+                && served != endpoint.as_str()
+            {
+                // The pool served it elsewhere (the hinted endpoint was not a
+                // healthy member): the hint did not apply to this response.
+                prediction.routed = false;
+                prediction.matched_tokens = 0;
+                prediction.replica_id = self.settings.replica_of(&served).unwrap_or_default();
+                host.increment_counter(OUTCOMES_REROUTED_METRIC);
+            }
         }
         Action::Continue
     }

@@ -79,8 +79,8 @@ pub use outcome::{
 };
 pub use report::{
     OUTCOMES_BUFFERED_METRIC, OUTCOMES_DROPPED_METRIC, OUTCOMES_LOST_METRIC,
-    OUTCOMES_REPORTED_METRIC, OutcomeBuffer, OutcomeReporter, REPORT_FAILED_METRIC, REPORT_METHOD,
-    ReportHost, SharedBuffer,
+    OUTCOMES_REPORTED_METRIC, OUTCOMES_REROUTED_METRIC, OutcomeBuffer, OutcomeReporter,
+    REPORT_FAILED_METRIC, REPORT_METHOD, ReportHost, SharedBuffer,
 };
 pub use request::{
     Api, BodyError, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, ChatRequest, ParsedRequest,

@@ -42,13 +42,17 @@ pub const OUTCOMES_DROPPED_METRIC: &str = "inferencecache_filter.outcomes.droppe
 pub const OUTCOMES_REPORTED_METRIC: &str = "inferencecache_filter.outcomes.reported";
 /// Counter: outcomes in reports that failed (refused dispatch, non-zero gRPC status).
 pub const OUTCOMES_LOST_METRIC: &str = "inferencecache_filter.outcomes.lost";
+/// Counter: routed requests the pool served on another replica than the
+/// hinted one (counted as unhinted, at the replica that served them).
+pub const OUTCOMES_REROUTED_METRIC: &str = "inferencecache_filter.outcomes.rerouted";
 /// Counter: `ReportOutcomes` calls that failed.
 pub const REPORT_FAILED_METRIC: &str = "inferencecache_filter.outcomes.report_failed";
 
 /// Every counter of this module.
-pub fn report_counters() -> [&'static str; 5] {
+pub fn report_counters() -> [&'static str; 6] {
     [
         OUTCOMES_BUFFERED_METRIC,
+        OUTCOMES_REROUTED_METRIC,
         OUTCOMES_DROPPED_METRIC,
         OUTCOMES_REPORTED_METRIC,
         OUTCOMES_LOST_METRIC,

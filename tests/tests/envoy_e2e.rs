@@ -751,6 +751,52 @@ async fn dead_hinted_replica_is_served_by_another_pool_member() -> anyhow::Resul
         assert!(line.contains("attempts=2"), "{line}");
         assert!(!line.contains(&format!("upstream={dead}")), "{line}");
     }
+    // Measured, such a request is no evidence about the hinted replica: its
+    // outcome is reported as unhinted, at the member that served it.
+    let response = client
+        .post(
+            "/v1/completions",
+            &[(FAKE_CACHED_TOKENS, "0")],
+            tokens_body(MODEL, &prompt),
+        )
+        .await?;
+    let served = response.served_by().unwrap_or_default().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while envoy
+        .stat("wasmcustom.inferencecache_filter.outcomes.rerouted")
+        .await?
+        < 1
+    {
+        ensure!(
+            Instant::now() < deadline,
+            "no rerouted outcome\n{}",
+            context()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let row = accuracy_row(&server, &served, "unhinted", 1, context).await?;
+    assert_eq!(
+        (row.predicted_tokens, row.not_hinted_miss),
+        (0, 1),
+        "{row:?}"
+    );
+    let state = server
+        .client()
+        .await?
+        .get_cache_state(GetCacheStateRequest {
+            model_id: MODEL.into(),
+            tenant_id: TENANT.into(),
+        })
+        .await?
+        .into_inner();
+    assert!(
+        state
+            .accuracy
+            .iter()
+            .all(|row| row.replica_id != "replica-c"),
+        "{:?}",
+        state.accuracy
+    );
     Ok(())
 }
 

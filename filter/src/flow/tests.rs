@@ -877,13 +877,39 @@ fn a_measured_routed_response_becomes_one_buffered_outcome() {
             shadow: false,
         }]
     );
-    // The host's upstream address is not consulted for a routed request.
-    assert!(
-        !host
-            .property_reads
-            .borrow()
-            .iter()
-            .any(|path| path == "upstream.address")
+}
+
+#[test]
+fn a_routed_request_served_elsewhere_counts_as_unhinted_where_it_was_served() {
+    // Served by the hinted endpoint: stays routed.
+    let (mut flow, mut host, buffer) = looked_up_into_buffer("PREFIX_MATCH", 16);
+    host.properties
+        .insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
+    deliver(
+        &mut flow,
+        &mut host,
+        "application/json",
+        &usage_json(16),
+        64,
+    );
+    let outcomes = buffered(&buffer);
+    assert!(outcomes[0].routed, "{outcomes:?}");
+    assert_eq!(host.counter(crate::report::OUTCOMES_REROUTED_METRIC), 0);
+    // The pool served it on another member: the hint did not apply.
+    let (mut flow, mut host, buffer) = looked_up_into_buffer("PREFIX_MATCH", 16);
+    host.properties
+        .insert("upstream.address".into(), b"10.0.0.2:8000".to_vec());
+    deliver(&mut flow, &mut host, "application/json", &usage_json(0), 64);
+    let outcomes = buffered(&buffer);
+    assert_eq!(outcomes.len(), 1);
+    assert!(!outcomes[0].routed);
+    assert_eq!(outcomes[0].replica_id, "10.0.0.2:8000");
+    assert_eq!(outcomes[0].predicted_tokens, 0);
+    assert_eq!(host.counter(crate::report::OUTCOMES_REROUTED_METRIC), 1);
+    assert_eq!(
+        host.counter(&format!("{PM}.not_hinted_miss")),
+        1,
+        "the local counters see the same outcome"
     );
 }
 
