@@ -215,7 +215,7 @@ async fn fill(nats: &Nats, entries: u64, stream: &str, prefix: &str) -> anyhow::
     js.get_or_create_stream(async_nats::jetstream::stream::Config {
         name: stream.to_owned(),
         subjects: vec![format!("{prefix}.>")],
-        max_bytes: 2 << 30,
+        max_bytes: 1 << 30,
         ..Default::default()
     })
     .await?;

@@ -58,8 +58,9 @@ pub const DEFAULT_STREAM: &str = "INFERENCE_CACHE";
 pub const DEFAULT_SUBJECT_PREFIX: &str = "inferencecache.v1";
 /// Default `--nats-max-age`: the default eviction TTL (30 min) with margin.
 pub const DEFAULT_MAX_AGE: &str = "1h";
-/// Default `--nats-max-bytes`.
-pub const DEFAULT_MAX_BYTES: i64 = 8 << 30;
+/// Default `--nats-max-bytes` (JetStream reserves it out of the NATS
+/// server's storage limit when the stream is created).
+pub const DEFAULT_MAX_BYTES: i64 = 1 << 30;
 /// Default `--nats-duplicate-window`.
 pub const DEFAULT_DUPLICATE_WINDOW: &str = "2m";
 /// Default `--nats-buffer`.
@@ -93,7 +94,7 @@ pub struct ReplicationArgs {
     #[arg(long, default_value = DEFAULT_MAX_AGE, value_parser = crate::limits::parse_duration, env = "INFERENCE_CACHE_NATS_MAX_AGE")]
     pub nats_max_age: Duration,
 
-    /// Stream retention by size in bytes (oldest messages go first), set when the stream is created.
+    /// Stream retention by size in bytes (oldest messages go first), set when the stream is created; JetStream reserves it, so it must fit the NATS server's storage limit.
     #[arg(long, default_value_t = DEFAULT_MAX_BYTES, env = "INFERENCE_CACHE_NATS_MAX_BYTES")]
     pub nats_max_bytes: i64,
 
@@ -686,6 +687,7 @@ impl Log {
     ) {
         let mut next_sequence: u64 = 1;
         let mut backoff = Duration::from_millis(50);
+        let mut warned = false;
         loop {
             let opened = tokio::select! {
                 () = stop.cancelled() => return,
@@ -694,7 +696,13 @@ impl Log {
             let (mut messages, target) = match opened {
                 Ok(opened) => opened,
                 Err(error) => {
-                    tracing::debug!(%error, "shared log not reachable, retrying");
+                    // Once per streak at WARN (e.g. a stream JetStream refuses), then quieter.
+                    if warned {
+                        tracing::debug!(%error, "shared log not reachable, retrying");
+                    } else {
+                        tracing::warn!(%error, "shared log not reachable, retrying");
+                        warned = true;
+                    }
                     tokio::select! {
                         () = stop.cancelled() => return,
                         () = tokio::time::sleep(backoff) => {}
@@ -705,6 +713,7 @@ impl Log {
             };
             self.metrics.consumer_restarts.inc();
             backoff = Duration::from_millis(50);
+            warned = false;
             if target < next_sequence {
                 catch_up.finish(&self.metrics, &clock, false);
             }

@@ -10,7 +10,8 @@
 //! streams (StreamCacheEvents, StreamMetrics) end with OK at the first step.
 //!
 //! With `--nats-url` the index is fed from the shared log too, and `/readyz`
-//! answers 503 until the log has been replayed (see `replication.rs`).
+//! answers 503 (gRPC health NOT_SERVING for the service) until the log has
+//! been replayed (see `replication.rs`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +34,9 @@ use crate::index_runtime::{ClockHandle, IndexState};
 use crate::metrics::Metrics;
 use crate::prompt_inputs::PromptState;
 use crate::replication::{self, ReplayClock};
+
+/// How often gRPC health looks at readiness while the shared log is replayed.
+const READY_POLL: Duration = Duration::from_millis(20);
 
 /// How long handlers get to end their streams once the drain deadline cuts them.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -73,6 +77,28 @@ fn is_oversized(headers: &http::HeaderMap) -> bool {
             .and_then(|v| v.to_str().ok())
             // grpc-message is percent-encoded (spaces as %20).
             .is_some_and(|m| m.replace("%20", " ").contains("message length too large"))
+}
+
+/// Reports the service SERVING on gRPC health once `ready` is set (the
+/// shared log replayed), unless the shutdown started first.
+fn spawn_serving_when_ready(
+    reporter: tonic_health::server::HealthReporter,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    tokio::spawn(async move {
+        while !ready.load(Ordering::Acquire) {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(READY_POLL) => {}
+            }
+        }
+        if !shutdown.is_cancelled() {
+            reporter
+                .set_serving::<InferenceCacheServer<CacheService>>()
+                .await;
+        }
+    });
 }
 
 /// Resolves `drain` after `stop` is cancelled.
@@ -152,9 +178,21 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let admin_addr = admin_listener.local_addr()?;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<InferenceCacheServer<CacheService>>()
-        .await;
+    if ready.load(Ordering::Acquire) {
+        health_reporter
+            .set_serving::<InferenceCacheServer<CacheService>>()
+            .await;
+    } else {
+        // Replaying the shared log: gRPC health says what /readyz says.
+        health_reporter
+            .set_not_serving::<InferenceCacheServer<CacheService>>()
+            .await;
+        spawn_serving_when_ready(
+            health_reporter.clone(),
+            Arc::clone(&ready),
+            shutdown.clone(),
+        );
+    }
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(inference_cache_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

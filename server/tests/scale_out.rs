@@ -17,6 +17,9 @@ use futures::StreamExt as _;
 use inference_cache_proto::v1alpha1::{StreamEventsRequest, cache_event::Type};
 use inference_cache_server::{ReplicationSettings, ServeConfig};
 use nats_support::Nats;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 /// How long a change may take to show up elsewhere before a test fails.
 const CONVERGE: Duration = Duration::from_secs(20);
@@ -24,6 +27,7 @@ const CONVERGE: Duration = Duration::from_secs(20);
 fn settings(nats: &Nats) -> ReplicationSettings {
     ReplicationSettings {
         ack_timeout: Duration::from_millis(500),
+        max_bytes: 64 << 20,
         ..ReplicationSettings::new(nats.url())
     }
 }
@@ -41,6 +45,25 @@ async fn server_with(
         adjust(config);
     })
     .await
+}
+
+/// gRPC health of the InferenceCache service.
+async fn service_health(h: &Harness) -> ServingStatus {
+    let addr = h.server.as_ref().expect("running").grpc_addr;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: inference_cache_proto::SERVICE_NAME.into(),
+        })
+        .await
+        .expect("health")
+        .into_inner()
+        .status;
+    ServingStatus::try_from(status).expect("known status")
 }
 
 async fn wait_ready(h: &Harness) {
@@ -157,8 +180,14 @@ async fn a_new_server_rebuilds_from_the_log_and_is_not_ready_before() {
         assert!(r.replica_scores.is_empty(), "{r:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert_eq!(service_health(&second).await, ServingStatus::NotServing);
     nats.start().await;
     wait_ready(&second).await;
+    let deadline = Instant::now() + CONVERGE;
+    while service_health(&second).await != ServingStatus::Serving {
+        assert!(Instant::now() < deadline, "gRPC health never SERVING");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Ready means caught up: every answer equals the first server's at once.
     for blocks in &sets {
         let a = first.lookup(chain_lookup(blocks)).await;

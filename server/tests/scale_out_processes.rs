@@ -41,6 +41,7 @@ impl ServerProcess {
             .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
             .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
             .args(["--nats-url", &nats.url(), "--nats-ack-timeout", "500ms"])
+            .args(["--nats-max-bytes", "67108864"])
             .arg("--policy-file")
             .arg(policy)
             .stdout(Stdio::null())
