@@ -92,6 +92,12 @@ impl CacheService {
         };
         self.metrics
             .record_lookup(&response.reason_code, started.elapsed().as_secs_f64());
+        let decision = if reason == reason::TIMEOUT {
+            index::Decision::Timeout
+        } else {
+            index::Decision::NotConsulted
+        };
+        self.metrics.record_decision(reason, decision.as_str());
         Response::new(response)
     }
 
@@ -271,6 +277,17 @@ impl InferenceCache for CacheService {
             .policies()
             .for_tenant(&request.tenant_id)
             .shadow;
+        let decision = outcome.decision.as_str();
+        tracing::debug!(
+            tenant = %request.tenant_id,
+            reason = outcome.reason.as_str(),
+            decision,
+            replica = outcome.scores.first().map_or("", |s| &*s.replica_id),
+            matched_tokens = outcome.scores.first().map_or(0, |s| s.matched_tokens),
+            "lookup answered"
+        );
+        self.metrics
+            .record_decision(outcome.reason.as_str(), decision);
         let response = LookupRouteResponse {
             replica_scores: outcome.scores.into_iter().map(replica_score).collect(),
             reason_code: outcome.reason.as_str().to_owned(),

@@ -22,6 +22,15 @@ pub struct ReasonLabel {
     pub reason_code: String,
 }
 
+/// Label set of a LookupRoute answer: its reason code and what decided it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabel {
+    /// The reason code of the response.
+    pub reason_code: String,
+    /// What decided it (`inference_cache_index::Decision`, snake_case).
+    pub decision: &'static str,
+}
+
 /// Label set naming an RPC.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RpcLabel {
@@ -64,6 +73,8 @@ pub struct Metrics {
     registry: Registry,
     /// `inferencecache_lookup_route_calls_total{reason_code}`.
     pub lookup_calls: Family<ReasonLabel, Counter>,
+    /// `inferencecache_lookup_decisions_total{reason_code,decision}`.
+    pub lookup_decisions: Family<DecisionLabel, Counter>,
     /// `inferencecache_lookup_route_latency_seconds`, 10 µs to ~160 ms.
     pub lookup_latency: Histogram,
     /// `inferencecache_rpc_calls_total{rpc}` for the non-lookup RPCs.
@@ -103,6 +114,12 @@ impl Metrics {
             "lookup_route_calls",
             "LookupRoute calls by reason code",
             lookup_calls.clone(),
+        );
+        let lookup_decisions = Family::<DecisionLabel, Counter>::default();
+        registry.register(
+            "lookup_decisions",
+            "LookupRoute answers by reason code and the factor that decided them (match_depth, load, shared_head, below_floor, no_match, tenant_hot, prefix_gate, diagnostic, timeout, not_consulted)",
+            lookup_decisions.clone(),
         );
         let lookup_latency = Histogram::new(exponential_buckets(0.000_01, 2.0, 15));
         registry.register(
@@ -183,6 +200,7 @@ impl Metrics {
         Self {
             registry,
             lookup_calls,
+            lookup_decisions,
             lookup_latency,
             rpc_calls,
             server_up,
@@ -227,6 +245,16 @@ impl Metrics {
             })
             .inc();
         self.lookup_latency.observe(seconds);
+    }
+
+    /// Counts what decided one LookupRoute answer.
+    pub fn record_decision(&self, reason_code: &str, decision: &'static str) {
+        self.lookup_decisions
+            .get_or_create(&DecisionLabel {
+                reason_code: reason_code.to_owned(),
+                decision,
+            })
+            .inc();
     }
 
     /// Counts one call of `rpc`.
@@ -303,6 +331,19 @@ mod tests {
         );
         assert!(
             text.contains("inferencecache_lookup_route_latency_seconds_count 2"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn renders_lookup_decisions() {
+        let metrics = Metrics::new();
+        metrics.record_decision("AFFINITY_HINT", "shared_head");
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "inferencecache_lookup_decisions_total{reason_code=\"AFFINITY_HINT\",decision=\"shared_head\"} 1"
+            ),
             "{text}"
         );
     }

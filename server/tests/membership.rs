@@ -93,3 +93,30 @@ async fn join_heartbeat_expiry_and_leave() {
         h.stop().await;
     }
 }
+
+#[tokio::test]
+async fn metrics_say_what_decided_each_answer() {
+    let mut h = Harness::start(&policy_doc("*", "  ranker: CostAware\n")).await;
+    for r in ["a", "b"] {
+        h.event(heartbeat(r)).await;
+    }
+    h.hold("a", &chain(1..5)).await;
+    let r = h.lookup(chain_lookup(&chain(1..5))).await;
+    assert_eq!(r.reason_code, "PREFIX_MATCH");
+    let r = h.lookup(chain_lookup(&chain(900..903))).await;
+    assert_eq!(r.reason_code, "AFFINITY_HINT");
+    let series = |reason: &str, decision: &str| {
+        format!(
+            "inferencecache_lookup_decisions_total{{reason_code=\"{reason}\",decision=\"{decision}\"}}"
+        )
+    };
+    assert_eq!(
+        h.metric(&series("PREFIX_MATCH", "match_depth")).await,
+        Some(1.0)
+    );
+    assert_eq!(
+        h.metric(&series("AFFINITY_HINT", "no_match")).await,
+        Some(1.0)
+    );
+    h.stop().await;
+}
