@@ -22,7 +22,7 @@ SECONDS_EACH="${1:-10}"
 shift || true
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-    TARGETS=(subscriber_decode filter_body policy_yaml prompt_template index_ops)
+    TARGETS=(subscriber_decode engine_metrics filter_body policy_yaml prompt_template index_ops)
 fi
 export RUSTC_BOOTSTRAP=1
 FUZZ_FLAGS=(--sanitizer none)
