@@ -638,7 +638,11 @@ fn decimal(field: &str, value: Number) -> Result<f64, FieldError> {
     Ok(parsed)
 }
 
-/// Parses a Go-style duration: `30m`, `1h30m`, `90s`, `250ms`, `1.5h`.
+/// Parses a duration — the one grammar of every flag and policy field:
+/// `0`, or numbers each followed by a unit, optionally separated by spaces:
+/// `30m`, `1h30m`, `1h 30m`, `90s`, `250ms`, `1.5h`, `10min`, `2 days`.
+/// Units: `ns`; `us`/`µs`; `ms`/`msec`/`millis`; `s`/`sec`/`secs`/`second(s)`;
+/// `m`/`min`/`mins`/`minute(s)`; `h`/`hr`/`hrs`/`hour(s)`; `d`/`day(s)`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text.is_empty() {
@@ -652,32 +656,34 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     while !rest.is_empty() {
         let number_len = rest
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(|| format!("{text:?} lacks a unit (ns, us, ms, s, m, h)"))?;
+            .ok_or_else(|| format!("{text:?} lacks a unit (ns, us, ms, s, m, h, d)"))?;
         if number_len == 0 {
             return Err(format!("{text:?} is not a duration like 30m or 1h30m"));
         }
         let number: f64 = rest[..number_len]
             .parse()
             .map_err(|_| format!("{text:?} has a bad number"))?;
-        rest = &rest[number_len..];
+        rest = rest[number_len..].trim_start();
         let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .find(|c: char| !(c.is_alphabetic()))
             .unwrap_or(rest.len());
         let scale = match &rest[..unit_len] {
             "ns" => 1e-9,
             "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
+            "ms" | "msec" | "millis" => 1e-3,
+            "s" | "sec" | "secs" | "second" | "seconds" => 1.0,
+            "m" | "min" | "mins" | "minute" | "minutes" => 60.0,
+            "h" | "hr" | "hrs" | "hour" | "hours" => 3600.0,
+            "d" | "day" | "days" => 86_400.0,
+            "" => return Err(format!("{text:?} lacks a unit (ns, us, ms, s, m, h, d)")),
             other => {
                 return Err(format!(
-                    "{text:?} has unknown unit {other:?} (use ns, us, ms, s, m, h)"
+                    "{text:?} has unknown unit {other:?} (use ns, us, ms, s, m, h, d)"
                 ));
             }
         };
         total += number * scale;
-        rest = &rest[unit_len..];
+        rest = rest[unit_len..].trim_start();
     }
     Duration::try_from_secs_f64(total).map_err(|_| format!("{text:?} is out of range"))
 }
@@ -882,7 +888,12 @@ spec:
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert!(parse_duration("30").is_err());
         assert!(parse_duration("m").is_err());
-        assert!(parse_duration("5d").is_err());
+        assert_eq!(parse_duration("5d"), Ok(Duration::from_secs(5 * 86_400)));
+        assert_eq!(parse_duration("10min"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2 seconds"), Ok(Duration::from_secs(2)));
+        assert!(parse_duration("5 fortnights").is_err());
+        assert!(parse_duration("1h 30").is_err());
         assert_eq!(format_duration(Duration::from_secs(5400)), "1h30m");
         assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
     }

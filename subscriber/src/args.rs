@@ -102,20 +102,20 @@ pub struct SubscribeArgs {
 
     /// How long to wait for each message of the engine's replay socket
     /// (connect, first reply, every next reply).
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = inference_cache_index::parse_duration)]
     pub replay_timeout: Duration,
 
     /// How often every block still held is re-reported (keeping it inside
     /// the server's eviction TTL) along with a replica liveness event; `0s`
     /// disables it.
-    #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = "10m", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = "10m", value_parser = inference_cache_index::parse_duration)]
     pub refresh_interval: Duration,
 
     /// How often the replica's liveness is sent (`PublishEvent(REPLICA_UPDATED)`
     /// naming tenant and model). Keep it well below the server's
     /// `replicaTimeout` (default 30s), e.g. a sixth of it, or the replica
     /// drops out of the serving set between heartbeats; `0s` disables it.
-    #[arg(long, env = "SUBSCRIBER_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "SUBSCRIBER_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = inference_cache_index::parse_duration)]
     pub heartbeat_interval: Duration,
 
     /// The engine's Prometheus endpoint (`http://127.0.0.1:8000/metrics` for
@@ -126,7 +126,7 @@ pub struct SubscribeArgs {
 
     /// Scrape interval of `--engine-metrics-url`; each good scrape sends one
     /// stats-only `ReportCacheState` update.
-    #[arg(long, env = "ENGINE_METRICS_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "ENGINE_METRICS_INTERVAL", default_value = "1s", value_parser = inference_cache_index::parse_duration)]
     pub metrics_interval: Duration,
 
     /// PEM CA bundle that verifies the server's certificate (`--server
@@ -529,6 +529,23 @@ mod tests {
         assert_eq!(settings.endpoints[0].replay, None);
         assert!(!settings.offload_tier);
         assert_eq!(settings.server, "http://127.0.0.1:9090");
+    }
+
+    #[test]
+    fn durations_use_the_server_grammar() {
+        let mut argv = base();
+        argv.extend([
+            "--refresh-interval",
+            "10min",
+            "--heartbeat-interval",
+            "1.5s",
+        ]);
+        let args = SubscribeArgs::try_parse_from(argv).expect("parse");
+        assert_eq!(args.refresh_interval, Duration::from_secs(600));
+        assert_eq!(args.heartbeat_interval, Duration::from_millis(1500));
+        let mut argv = base();
+        argv.extend(["--metrics-interval", "10 fortnights"]);
+        assert!(SubscribeArgs::try_parse_from(argv).is_err());
     }
 
     #[test]
