@@ -823,6 +823,27 @@ mod tests {
         );
     }
 
+    /// The index speaks plain Rust, the wire speaks strings: the index's
+    /// names must be exactly the proto's, both ways.
+    #[test]
+    fn index_names_are_the_wire_names() {
+        use inference_cache_proto::reason as wire;
+        let wire_codes = [
+            wire::PREFIX_MATCH,
+            wire::TENANT_HOT,
+            wire::AFFINITY_HINT,
+            wire::NO_HINT,
+            wire::POLICY_REQUIRES_CHAIN,
+            wire::TIMEOUT,
+            wire::UNKNOWN_TENANT,
+            wire::UNKNOWN_MODEL,
+            wire::UNKNOWN_HASH_SCHEME,
+        ];
+        let index_codes: Vec<&str> = index::Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(index_codes, wire_codes);
+        assert_eq!(index::PROBE_TENANT, inference_cache_proto::PROBE_TENANT);
+    }
+
     #[test]
     fn grpc_timeout_units() {
         let mut m = tonic::metadata::MetadataMap::new();
