@@ -315,8 +315,7 @@ async fn chat_completions(State(state): State<Arc<EngineState>>, body: bytes::By
     state.serve(tokens, &body, true).await
 }
 
-async fn models(State(state): State<Arc<EngineState>>) -> impl IntoResponse {
-    let _ = &state;
+async fn models() -> impl IntoResponse {
     axum::Json(json!({"object": "list", "data": [{"id": crate::MODEL, "object": "model"}]}))
 }
 
