@@ -77,7 +77,7 @@ pub struct DemoArgs {
     pub agent_share: f64,
 
     /// How long each run's arrivals are spread over.
-    #[arg(long, default_value = "25s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "25s", value_parser = inference_cache_index::parse_duration)]
     pub duration: Duration,
 
     /// Seed of the workload.
@@ -93,7 +93,7 @@ pub struct DemoArgs {
     pub cache_blocks: usize,
 
     /// LookupRoute budget of the gateway (the filter's `timeout_ms`); past it the request is routed round-robin.
-    #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "20ms", value_parser = inference_cache_index::parse_duration)]
     pub lookup_timeout: Duration,
 
     /// Envoy binary (default: `envoy` on PATH, then the one scripts/setup-envoy.sh installs).
@@ -303,7 +303,7 @@ pub async fn run(args: DemoArgs, server: PolicyServer) -> anyhow::Result<DemoRep
         "inference-cache demo: {} engines, {} requests per run over {}",
         args.engines,
         requests.len(),
-        humantime::format_duration(args.duration)
+        inference_cache_index::format_duration(args.duration)
     );
     println!("gateway: {gateway}");
     println!("results page: {url}");
