@@ -24,6 +24,19 @@ fn load(f: &Fixture, replica: &str, waiting: u32, running: u32) {
     f.index.ingest(&u);
 }
 
+/// Cost-aware ranking over four announced replicas a–d that all hold a
+/// three-block head (returned) and report `running` requests each.
+fn fleet_sharing_a_head(f: &Fixture, running: u32) -> Vec<Vec<u8>> {
+    cost_aware(f);
+    let head = chain(1..4);
+    for r in ["a", "b", "c", "d"] {
+        announce(f, r);
+        f.hold(r, &head);
+        load(f, r, 0, running);
+    }
+    head
+}
+
 #[test]
 fn an_announced_replica_with_no_blocks_is_a_member() {
     let f = fixture();
@@ -163,13 +176,7 @@ fn a_head_every_member_holds_does_not_decide_the_pick() {
 #[test]
 fn a_distinguishing_holder_wins_when_load_is_even() {
     let f = fixture();
-    cost_aware(&f);
-    let head = chain(1..4);
-    for r in ["a", "b", "c", "d"] {
-        announce(&f, r);
-        f.hold(r, &head);
-        load(&f, r, 0, 2);
-    }
+    let head = fleet_sharing_a_head(&f, 2);
     let mut turn = head.clone();
     turn.extend(chain(50..56));
     f.hold("c", &turn);
@@ -432,13 +439,7 @@ fn a_shared_preamble_is_copied_before_a_conversation_is_moved() {
 #[test]
 fn every_answer_says_what_decided_it() {
     let f = fixture();
-    cost_aware(&f);
-    let head = chain(1..4);
-    for r in ["a", "b", "c", "d"] {
-        announce(&f, r);
-        f.hold(r, &head);
-        load(&f, r, 0, 0);
-    }
+    let head = fleet_sharing_a_head(&f, 0);
     let mut session = head.clone();
     session.extend(chain(50..58));
     f.hold("a", &session);
