@@ -63,20 +63,6 @@ impl ConfigMapVolume {
     }
 }
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..200 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("{what}: not reached in 5s");
-}
-
 fn with_default(team_a_spec: &str) -> String {
     format!(
         "{}---\n{}",

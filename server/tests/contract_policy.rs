@@ -9,20 +9,6 @@ use std::time::Duration;
 
 use contract_support::*;
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..200 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("{what}: not reached in 5s");
-}
-
 #[tokio::test]
 async fn bad_policy_file_fails_start_up() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -161,6 +161,21 @@ impl Harness {
     }
 }
 
+/// Polls `check` every 25 ms until it holds; panics naming `what` after 5 s.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..200 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{what}: not reached in 5s");
+}
+
 pub fn hash_of(n: u64) -> Vec<u8> {
     n.to_be_bytes().to_vec()
 }
