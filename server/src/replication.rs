@@ -220,6 +220,15 @@ struct ReplicationMetrics {
 }
 
 impl ReplicationMetrics {
+    /// Counts `n` appends dropped for `reason`.
+    fn drop(&self, reason: &str, n: u64) {
+        self.dropped
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc_by(n);
+    }
+
     fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         let r = registry.sub_registry_with_prefix("replication");
@@ -382,12 +391,7 @@ impl LogSink {
             Err(mpsc::error::TrySendError::Full(_)) => "buffer_full",
             Err(mpsc::error::TrySendError::Closed(_)) => "stopped",
         };
-        self.metrics
-            .dropped
-            .get_or_create(&ReasonLabel {
-                reason: reason.to_owned(),
-            })
-            .inc();
+        self.metrics.drop(reason, 1);
     }
 }
 
@@ -464,7 +468,8 @@ impl CatchUp {
 /// still starts and serves), hooks the log sink into `state`, and starts the
 /// publisher and the consumer. `ready` is set once the stream is caught up
 /// (or the catch-up timeout passed) unless `shutdown` was cancelled first;
-/// both tasks stop with `stop`.
+/// both tasks stop with `stop`. The returned publisher task ends once what
+/// was queued at `stop` is acknowledged (or one ack timeout passed).
 pub async fn start(
     settings: ReplicationSettings,
     state: Arc<IndexState>,
@@ -473,7 +478,7 @@ pub async fn start(
     ready: Arc<AtomicBool>,
     shutdown: CancellationToken,
     stop: CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let metrics = ReplicationMetrics::register(registry);
     let origin = instance_id();
     let connected = metrics.connected.clone();
@@ -519,11 +524,11 @@ pub async fn start(
         origin,
         metrics,
     });
-    {
+    let publisher = {
         let log = Arc::clone(&log);
         let stop = stop.clone();
-        tokio::spawn(async move { log.publish_loop(rx, stop).await });
-    }
+        tokio::spawn(async move { log.publish_loop(rx, stop).await })
+    };
     {
         let (log, catch_up, clock) = (Arc::clone(&log), Arc::clone(&catch_up), clock.clone());
         let stop = stop.clone();
@@ -537,7 +542,7 @@ pub async fn start(
         });
     }
     tokio::spawn(async move { log.consume_loop(state, clock, catch_up, stop).await });
-    Ok(())
+    Ok(publisher)
 }
 
 /// A random instance id: 16 hex digits.
@@ -630,7 +635,10 @@ impl Log {
             }
             tokio::select! {
                 biased;
-                () = stop.cancelled() => break,
+                () = stop.cancelled() => {
+                    self.flush(rx, in_flight, retry, n).await;
+                    break;
+                }
                 Some((out, ok)) = in_flight.next(), if !in_flight.is_empty() => {
                     if ok {
                         self.metrics.published.inc();
@@ -652,6 +660,47 @@ impl Log {
                     in_flight.push_back(self.send(out));
                 }
             }
+        }
+    }
+
+    /// On a graceful stop: publishes what is still queued or waiting for a
+    /// retry and waits for the acknowledgements, for at most one
+    /// `--nats-ack-timeout`; what is left then is counted as dropped.
+    async fn flush(
+        &self,
+        mut rx: mpsc::Receiver<LogEntry>,
+        mut in_flight: FuturesOrdered<AckFuture>,
+        retry: VecDeque<Outgoing>,
+        mut n: u64,
+    ) {
+        rx.close();
+        for out in retry {
+            in_flight.push_back(self.send(out));
+        }
+        while let Ok(entry) = rx.try_recv() {
+            n += 1;
+            in_flight.push_back(self.send(self.encode(entry, n)));
+        }
+        let pending = in_flight.len();
+        let drained = tokio::time::timeout(self.settings.ack_timeout, async {
+            while let Some((_, ok)) = in_flight.next().await {
+                if ok {
+                    self.metrics.published.inc();
+                } else {
+                    self.metrics.publish_failures.inc();
+                    self.metrics.drop("stopped", 1);
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            let lost = in_flight.len() as u64;
+            self.metrics.drop("stopped", lost);
+            tracing::warn!(
+                lost,
+                pending,
+                "stopping: appends not acknowledged in time are lost to the other servers"
+            );
         }
     }
 

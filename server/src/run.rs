@@ -11,7 +11,9 @@
 //!
 //! With `--nats-url` the index is fed from the shared log too, and `/readyz`
 //! answers 503 (gRPC health NOT_SERVING for the service) until the log has
-//! been replayed (see `replication.rs`).
+//! been replayed (see `replication.rs`). At the end of a shutdown the
+//! appends still queued for the log are published (for at most
+//! `--nats-ack-timeout`) before the server reports stopped.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -125,17 +127,20 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let log_stop = CancellationToken::new();
     // Without a shared log the index is complete at once; with one, ready after the replay.
     let ready = Arc::new(AtomicBool::new(config.replication.is_none()));
+    let mut publisher = None;
     if let (Some(settings), Some(clock)) = (config.replication.clone(), replay_clock) {
-        replication::start(
-            settings,
-            Arc::clone(&index),
-            clock,
-            metrics.registry_mut(),
-            Arc::clone(&ready),
-            shutdown.clone(),
-            log_stop.clone(),
-        )
-        .await?;
+        publisher = Some(
+            replication::start(
+                settings,
+                Arc::clone(&index),
+                clock,
+                metrics.registry_mut(),
+                Arc::clone(&ready),
+                shutdown.clone(),
+                log_stop.clone(),
+            )
+            .await?,
+        );
     }
     // Stops the log tasks if start-up fails from here on.
     let log_guard = log_stop.clone().drop_guard();
@@ -327,6 +332,10 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
     let tasks = tokio::spawn(async move {
         let (grpc, admin, ()) = tokio::join!(grpc, admin, sequence);
         log_stop.cancel();
+        if let Some(publisher) = publisher {
+            // Appends still queued reach the log before the process exits.
+            let _ = publisher.await;
+        }
         grpc.context("gRPC server")?;
         admin.context("admin HTTP server")?;
         tracing::info!("stopped");

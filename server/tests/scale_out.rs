@@ -147,6 +147,39 @@ async fn three_servers_on_one_stream_answer_each_others_writes() {
 }
 
 #[tokio::test]
+async fn a_stopping_server_publishes_what_it_still_had_queued() {
+    let nats = Nats::launch().await;
+    let mut observer = server(settings(&nats)).await;
+    wait_ready(&observer).await;
+    // One publish in flight at a time: 300 appends take 300 round trips, so
+    // most are still queued when the stop begins.
+    let mut writer = server(ReplicationSettings {
+        max_in_flight: 1,
+        ..settings(&nats)
+    })
+    .await;
+    wait_ready(&writer).await;
+    let chains: Vec<Vec<Vec<u8>>> = (0..300u64).map(|i| chain(i * 10..i * 10 + 3)).collect();
+    writer
+        .report(
+            chains
+                .iter()
+                .map(|blocks| update("10.0.0.7:8000", vec![chain_entry(blocks, 64)]))
+                .collect(),
+        )
+        .await;
+    writer.stop().await;
+    for blocks in [&chains[0], &chains[150], &chains[299]] {
+        wait_for_match(&mut observer, blocks, &["10.0.0.7:8000"]).await;
+    }
+    for blocks in &chains {
+        let r = observer.lookup(chain_lookup(blocks)).await;
+        assert_eq!(r.reason_code, "PREFIX_MATCH");
+    }
+    observer.stop().await;
+}
+
+#[tokio::test]
 async fn a_new_server_rebuilds_from_the_log_and_is_not_ready_before() {
     let mut nats = Nats::launch().await;
     let mut first = server(settings(&nats)).await;

@@ -171,6 +171,25 @@ async fn a_killed_server_restarts_from_the_log_and_converges_while_the_survivor_
         })
     };
 
+    // The victim's writes are in the log once the survivor has applied them.
+    // (A SIGKILL between a write's answer and JetStream's acknowledgement of
+    // its append loses that append: docs/scale-out.md, "Killed server".)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for id in 20..40 {
+        loop {
+            let answer = to_survivor
+                .lookup_route(lookup(id))
+                .await
+                .expect("lookup")
+                .into_inner();
+            if answer.reason_code == "PREFIX_MATCH" {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{id} never reached the survivor");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     victim.kill();
     to_survivor
         .report_cache_state(tokio_stream::iter((40..80).map(report)))
