@@ -8,10 +8,8 @@
 //! filter itself unless `INFERENCE_CACHE_FILTER_WASM` is set. Every fail-open
 //! case sends several requests and requires every one to succeed.
 
-#[path = "../src/proxy_wasm_host.rs"]
-mod proxy_wasm_host;
-#[path = "../src/proxy_wasm_host_envoy.rs"]
-mod proxy_wasm_host_envoy;
+use crate::ENVOY_SERIAL as SERIAL;
+use crate::proxy_wasm_host_envoy;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -40,9 +38,6 @@ const DESTINATION: &str = "x-gateway-destination-endpoint";
 const MODEL: &str = "e2e-model";
 const TENANT: &str = "default";
 const ROUTABLE: [&str; 3] = ["PREFIX_MATCH", "TENANT_HOT", "AFFINITY_HINT"];
-
-/// Envoy tests run one at a time: the fail-open timing bound must not measure a busy machine.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Stack {
     envoy: Envoy,

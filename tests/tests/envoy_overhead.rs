@@ -34,10 +34,7 @@
 //! Requests rotate between the series in batches so drift hits all equally;
 //! `OVERHEAD_REQUESTS` (default 4000, at least 2000) requests per series.
 
-#[path = "../src/proxy_wasm_host.rs"]
-mod proxy_wasm_host;
-#[path = "../src/proxy_wasm_host_envoy.rs"]
-mod proxy_wasm_host_envoy;
+use crate::proxy_wasm_host_envoy;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

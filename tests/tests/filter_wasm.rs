@@ -5,8 +5,7 @@
 //! --target wasm32-wasip1 --profile wasm`, a no-op when fresh) unless
 //! `INFERENCE_CACHE_FILTER_WASM` names a prebuilt file.
 
-#[path = "../src/proxy_wasm_host.rs"]
-mod proxy_wasm_host;
+use crate::proxy_wasm_host;
 
 use inference_cache_fingerprint::{encode, prefix_hashes};
 use inference_cache_proto::v1alpha1::{LookupRouteRequest, LookupRouteResponse, ReplicaScore};

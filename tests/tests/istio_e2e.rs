@@ -7,12 +7,8 @@
 //! Needs `scripts/setup-envoy.sh`; builds the filter itself unless
 //! `INFERENCE_CACHE_FILTER_WASM` is set.
 
-#[path = "../src/istio_gateway.rs"]
-mod istio_gateway;
-#[path = "../src/proxy_wasm_host.rs"]
-mod proxy_wasm_host;
-#[path = "../src/proxy_wasm_host_envoy.rs"]
-mod proxy_wasm_host_envoy;
+use crate::ENVOY_SERIAL as SERIAL;
+use crate::{istio_gateway, proxy_wasm_host, proxy_wasm_host_envoy};
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -29,9 +25,6 @@ const MODEL_ID: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const ADAPTER: &str = "sql-lora";
 const TENANT: &str = "default";
 const REASON: &str = "x-inferencecache-reason";
-
-/// One gateway at a time: the machine is small.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Fails a request that hangs (as one does when the filter's pause in the
 /// headers callback is not honoured) instead of waiting out Envoy's idle timeout.
