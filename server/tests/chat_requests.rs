@@ -11,7 +11,7 @@
 //!
 //! Uses the real Qwen3 tokenizer that `scripts/setup-tokenizers.sh` fetches.
 
-mod contract_support;
+use crate::contract_support;
 
 use contract_support::*;
 use inference_cache_fingerprint::{partition_key, request_chain};

@@ -13,7 +13,7 @@
 //! atomic step) and removing the old directory. No event ever names
 //! `policy.yaml` itself.
 
-mod contract_support;
+use crate::contract_support;
 
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};

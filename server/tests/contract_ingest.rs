@@ -2,7 +2,7 @@
 //! socket: ingest rules, events, aggregates, the probe tenant, and ingest
 //! interleaving with lookups on one long-lived stream.
 
-mod contract_support;
+use crate::contract_support;
 
 use contract_support::*;
 use inference_cache_proto::v1alpha1::cache_event::Type;

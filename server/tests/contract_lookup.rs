@@ -1,7 +1,7 @@
 //! LookupRoute contract over a real gRPC socket: every reason code, the
 //! precedence between them, the floors, ranking and the input modes.
 
-mod contract_support;
+use crate::contract_support;
 
 use contract_support::*;
 use inference_cache_proto::v1alpha1::{ChatMessage, LookupRouteRequest, Slo};

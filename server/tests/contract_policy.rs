@@ -3,7 +3,7 @@
 //! `GET /snapshot`, the TTL sweep and cap / quota eviction under LRU and LFU,
 //! and the index metrics.
 
-mod contract_support;
+use crate::contract_support;
 
 use std::time::Duration;
 

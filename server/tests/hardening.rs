@@ -4,7 +4,7 @@
 //! producer authentication and tenant scoping, admin exposure, and the staged
 //! shutdown (readiness first, a drain deadline that cuts open streams).
 
-mod contract_support;
+use crate::contract_support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

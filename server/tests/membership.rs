@@ -4,7 +4,7 @@
 //! with ALL_CLEARED — under both rankers. `/snapshot` shows membership,
 //! last word and load.
 
-mod contract_support;
+use crate::contract_support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! least-loaded decode replica, names the transport, and fails open like
 //! LookupRoute.
 
-mod contract_support;
+use crate::contract_support;
 
 use std::time::{Duration, Instant};
 

@@ -7,8 +7,8 @@
 //! scripts/requirements-test.txt (installed into .cache/venv by
 //! scripts/test.sh), or from `NATS_SERVER_BIN`.
 
-mod contract_support;
-mod nats_support;
+use crate::contract_support;
+use crate::nats_support;
 
 use std::time::{Duration, Instant};
 

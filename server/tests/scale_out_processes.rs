@@ -4,7 +4,7 @@
 //! until it has replayed the log, and then answers exactly like the survivor.
 //! No lookup on the survivor fails at any point.
 
-mod nats_support;
+use crate::nats_support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
