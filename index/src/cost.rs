@@ -28,8 +28,9 @@
 //! starts from a shared prefix (a new session on a tool preamble) copies
 //! only that prefix, and copying it once lets later sessions spread. The two
 //! are told apart by where the request's deepest match ends: at a block where
-//! an earlier request's match also ended (a branch point: shared) or not
-//! (the end of this conversation's previous turn). [`ReuseCounts`] keeps
+//! at least [`BRANCH_POINT_REQUESTS`] earlier requests' matches also ended (a
+//! branch point: shared) or not (the end of this conversation's previous
+//! turn, or a fork of it by a few parallel tool calls). [`ReuseCounts`] keeps
 //! those counts; a continuation feels the excess at `continuationWeight`.
 //!
 //! The *common depth* is the longest run of blocks that more than half of the
@@ -66,6 +67,12 @@ use crate::store::HashRef;
 /// Queued requests a fully pressured replica stands for when its producer
 /// reports `pressure` but no request counts.
 const PRESSURE_REQUESTS: f64 = 8.0;
+/// Requests whose deepest match ended at one block before it counts as a
+/// branch point (a shared template) rather than the end of a conversation's
+/// last turn. Above one, so that the few parallel requests of one agent step
+/// (tool calls forking one conversation) still count as a continuation: moving
+/// them recomputes the whole conversation.
+const BRANCH_POINT_REQUESTS: u32 = 5;
 /// Weight of a new observation in the running mean of request tokens.
 const MEAN_ALPHA: f64 = 0.05;
 
@@ -255,7 +262,7 @@ pub(crate) fn rank_by_cost(
         }
         _ => 1,
     };
-    let excess_weight = if reused == 0 {
+    let excess_weight = if reused < BRANCH_POINT_REQUESTS {
         policy.continuation_weight
     } else {
         1.0

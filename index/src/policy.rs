@@ -181,7 +181,7 @@ impl Default for CachePolicy {
             load_bound: 1.25,
             balance_half_life: Duration::from_secs(180),
             contention_weight: 0.25,
-            continuation_weight: 0.35,
+            continuation_weight: 0.2,
             shadow: false,
         }
     }

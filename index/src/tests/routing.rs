@@ -385,7 +385,9 @@ fn a_hot_session_on_an_idle_fleet_is_balanced_against_new_ones() {
 /// A hot replica on an idle fleet: one conversation keeps extending there
 /// while new sessions start from a tool preamble it holds. Returns how often
 /// the conversation moved and how many new sessions went elsewhere.
-fn preamble_and_conversation(continuation_weight: &str) -> (usize, usize) {
+/// With `forks`, every step of the conversation is also sent as a second,
+/// parallel request (an agent's two tool calls off one context).
+fn preamble_and_conversation(continuation_weight: &str, forks: bool) -> (usize, usize) {
     let f = fixture();
     f.policy(&format!(
         "  ranker: CostAware\n  continuationWeight: \"{continuation_weight}\"\n"
@@ -404,14 +406,24 @@ fn preamble_and_conversation(continuation_weight: &str) -> (usize, usize) {
         for r in members {
             load(&f, r, 0, 0);
         }
+        let mut fork = conversation.clone();
         conversation.push(h(2_000 + i));
         let o = f.lookup_chain(&conversation);
         let to = o.scores[0].replica_id.to_string();
-        f.hold(&to, &conversation);
         if to != at {
             moves += 1;
-            at = to;
+            at = to.clone();
         }
+        if forks {
+            fork.push(h(3_000 + i));
+            let o = f.lookup_chain(&fork);
+            let to = o.scores[0].replica_id.to_string();
+            f.hold(&to, &fork);
+            if to != at {
+                moves += 1;
+            }
+        }
+        f.hold(&to, &conversation);
         if i % 4 == 3 {
             let mut session = preamble.clone();
             session.extend(chain(10_000 + i * 10..10_008 + i * 10));
@@ -428,12 +440,22 @@ fn preamble_and_conversation(continuation_weight: &str) -> (usize, usize) {
 fn a_shared_preamble_is_copied_before_a_conversation_is_moved() {
     // By default a conversation stays with its cache, and the new sessions
     // that branch off the preamble it shares are the ones that spread.
-    let (moves, elsewhere) = preamble_and_conversation("0.35");
+    let (moves, elsewhere) = preamble_and_conversation("0.2", false);
     assert_eq!(moves, 0, "the conversation moved {moves} times");
     assert!(elsewhere >= 15, "{elsewhere} of 30 new sessions left a");
     // Weighing a continuation like a new session moves the conversation.
-    let (moves, _) = preamble_and_conversation("1");
+    let (moves, _) = preamble_and_conversation("1", false);
     assert!(moves > 0, "the conversation never moved");
+}
+
+#[test]
+fn parallel_requests_of_one_conversation_are_not_a_shared_branch_point() {
+    // Two requests forking one context at every step: the second's match
+    // ends where the first's did, yet both continue the conversation and
+    // stay with its cache, while new sessions still spread.
+    let (moves, elsewhere) = preamble_and_conversation("0.2", true);
+    assert_eq!(moves, 0, "the conversation or its fork moved {moves} times");
+    assert!(elsewhere >= 15, "{elsewhere} of 30 new sessions left a");
 }
 
 #[test]
