@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! scripts/setup-envoy.sh
-//! OVERHEAD_REQUESTS=3000 cargo test --release -p inference-cache-tests --test envoy_overhead -- --ignored --nocapture
+//! OVERHEAD_REQUESTS=3000 cargo test --release -p inference-cache-tests --test envoy envoy_overhead:: -- --ignored --nocapture
 //! ```
 //!
 //! Set-up: the real server on loopback with three replicas ingested, three
