@@ -226,6 +226,16 @@ impl Catalog {
         self.partition_ids.get(&key).copied()
     }
 
+    /// Partition of interned name ids `[tenant, model, scheme, adapter]`.
+    pub fn partition_of(&self, ids: [NameId; 4]) -> Option<PartitionId> {
+        self.partition_ids.get(&ids).copied()
+    }
+
+    /// Scope of interned name ids `[tenant, model, scheme]`.
+    pub fn scope_of(&self, ids: [NameId; 3]) -> Option<&Arc<Scope>> {
+        self.scope_ids.get(&ids).and_then(|&i| self.scopes.get(i))
+    }
+
     /// Scope of already interned names.
     pub fn scope(&self, tenant: &str, model: &str, scheme: &str) -> Option<&Arc<Scope>> {
         let key = [self.name(tenant)?, self.name(model)?, self.name(scheme)?];

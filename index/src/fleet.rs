@@ -24,11 +24,14 @@
 //! which spreads new sessions evenly even when every replica is idle.
 //!
 //! Concurrency: one `RwLock<Fleet>` in the index. Lookups take it shared and
-//! add to `pending` with an atomic; joins, leaves and stats take it exclusively
-//! (they are per update, not per block). Cost: the serving set of a lookup is
-//! one hash probe plus a pass over that pair's members.
+//! add to `pending` with an atomic. An update from a known member that brings
+//! no stats only moves the replica's last-heard time, an atomic, under the
+//! shared lock too ([`Fleet::touch`]), so the steady stream of block reports
+//! never takes the lock exclusively and never holds a lookup up; joins,
+//! leaves, stats and first contact take it exclusively. Cost: the serving set
+//! of a lookup is one hash probe plus a pass over that pair's members.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 
@@ -43,10 +46,10 @@ pub(crate) struct ReplicaRecord {
     /// When they arrived (ms).
     pub stats_at_ms: u64,
     /// Last update or event from it (ms).
-    pub last_heard_ms: u64,
+    last_heard_ms: AtomicU64,
     /// It has sent a `REPLICA_UPDATED` naming tenant and model, so silence
     /// longer than `replicaTimeout` means it is gone.
-    pub heartbeats: bool,
+    heartbeats: AtomicBool,
     /// Uncached prefill tokens hinted to it since `stats_at_ms`.
     pub pending_tokens: AtomicU64,
     /// Requests hinted to it, decayed with a half-life (`f64` bits), and
@@ -56,6 +59,26 @@ pub(crate) struct ReplicaRecord {
 }
 
 impl ReplicaRecord {
+    /// Last update or event from it (ms).
+    pub fn last_heard_ms(&self) -> u64 {
+        self.last_heard_ms.load(Ordering::Relaxed)
+    }
+
+    /// Marks it heard from at `now_ms` (never moves back).
+    pub fn heard(&self, now_ms: u64) {
+        self.last_heard_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    /// Whether it heartbeats (see the field).
+    pub fn heartbeats(&self) -> bool {
+        self.heartbeats.load(Ordering::Relaxed)
+    }
+
+    /// Notes that it heartbeats.
+    pub fn set_heartbeats(&self) {
+        self.heartbeats.store(true, Ordering::Relaxed);
+    }
+
     /// Tokens hinted to it since its last stats report.
     pub fn pending(&self) -> u64 {
         self.pending_tokens.load(Ordering::Relaxed)
@@ -119,8 +142,29 @@ impl Fleet {
     /// Marks `replica` heard from at `now_ms` and returns its record.
     pub fn heard(&mut self, replica: ReplicaId, now_ms: u64) -> &mut ReplicaRecord {
         let record = self.records.entry(replica).or_default();
-        record.last_heard_ms = record.last_heard_ms.max(now_ms);
+        record.heard(now_ms);
         record
+    }
+
+    /// Under the shared lock: marks a known `replica` heard from at `now_ms`
+    /// when it is already a member of `(tenant, model)` serving `scheme`
+    /// (`join`), so nothing else has to change. False when the exclusive
+    /// path ([`heard`](Self::heard), [`join`](Self::join)) is needed.
+    pub fn touch(&self, replica: ReplicaId, now_ms: u64, join: Option<[NameId; 3]>) -> bool {
+        let Some(record) = self.records.get(&replica) else {
+            return false;
+        };
+        if let Some([tenant, model, scheme]) = join {
+            let member = self
+                .members(tenant, model)
+                .iter()
+                .find(|m| m.replica == replica);
+            if !member.is_some_and(|m| m.schemes.contains(&scheme)) {
+                return false;
+            }
+        }
+        record.heard(now_ms);
+        true
     }
 
     /// Records new stats and resets what was hinted since the last ones.
@@ -215,8 +259,8 @@ impl Fleet {
         let Some(record) = self.records.get(&replica) else {
             return holds();
         };
-        let recent = now_ms.saturating_sub(record.last_heard_ms) <= timeout_ms;
-        if record.heartbeats {
+        let recent = now_ms.saturating_sub(record.last_heard_ms()) <= timeout_ms;
+        if record.heartbeats() {
             recent
         } else {
             recent || holds()
@@ -233,7 +277,7 @@ impl Fleet {
             let before = members.len();
             members.retain(|m| {
                 records.get(&m.replica).is_none_or(|r| {
-                    !r.heartbeats || now_ms.saturating_sub(r.last_heard_ms) <= limit
+                    !r.heartbeats() || now_ms.saturating_sub(r.last_heard_ms()) <= limit
                 })
             });
             ended += before - members.len();
@@ -277,7 +321,7 @@ mod tests {
     fn liveness_depends_on_heartbeats() {
         let mut fleet = Fleet::default();
         fleet.heard(1, 1_000);
-        fleet.heard(2, 1_000).heartbeats = true;
+        fleet.heard(2, 1_000).set_heartbeats();
         // Within the timeout both are live.
         assert!(fleet.is_live(1, 5_000, 30_000, || false));
         assert!(fleet.is_live(2, 5_000, 30_000, || false));
@@ -291,7 +335,7 @@ mod tests {
     #[test]
     fn stats_reset_pending_and_expiry_frees_members() {
         let mut fleet = Fleet::default();
-        fleet.heard(1, 0).heartbeats = true;
+        fleet.heard(1, 0).set_heartbeats();
         fleet.join(1, 10, 20, None);
         fleet.records[&1].add_pending(500);
         assert_eq!(fleet.records[&1].pending(), 500);

@@ -18,7 +18,7 @@ use parking_lot::RwLock;
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, ReplicaRecord};
 use crate::model::{
     CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
     IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport, ScopeState,
@@ -411,6 +411,9 @@ impl CacheIndex {
             Some(s) if !s.replica_id.is_empty() => Some(self.replica_id(&s.replica_id)),
             _ => None,
         };
+        if stats.is_none() && self.fleet.read().touch(replica, now_ms, join) {
+            return;
+        }
         let stats = stats.map(|s| {
             let mut s = s.clone();
             if s.replica_id.is_empty() {
@@ -501,10 +504,26 @@ impl CacheIndex {
         if let Some(pair) = pair {
             self.note_joined(pair);
         }
+        {
+            // A known heartbeating member only moves its last-heard time.
+            let fleet = self.fleet.read();
+            if let Some(record) = fleet.records.get(&replica)
+                && pair.is_none_or(|[tenant, model]| {
+                    record.heartbeats()
+                        && fleet
+                            .members(tenant, model)
+                            .iter()
+                            .any(|m| m.replica == replica)
+                })
+            {
+                record.heard(now_ms);
+                return;
+            }
+        }
         let mut fleet = self.fleet.write();
         let record = fleet.heard(replica, now_ms);
         if let Some([tenant, model]) = pair {
-            record.heartbeats = true;
+            record.set_heartbeats();
             fleet.join(replica, tenant, model, None);
         }
     }
@@ -671,9 +690,9 @@ impl CacheIndex {
                     replica_id: catalog.replica_str(r).to_string(),
                     stats: record.and_then(|x| x.stats.clone()),
                     stats_received_ms: record.filter(|x| x.stats.is_some()).map(|x| x.stats_at_ms),
-                    last_heard_ms: record.map(|x| x.last_heard_ms),
+                    last_heard_ms: record.map(ReplicaRecord::last_heard_ms),
                     entries,
-                    heartbeats: record.is_some_and(|x| x.heartbeats),
+                    heartbeats: record.is_some_and(ReplicaRecord::heartbeats),
                     pending_tokens: record.map_or(0, |x| x.pending()),
                     member_of: fleet
                         .memberships_of(r)

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
-use crate::catalog::{Catalog, PartitionId, ReplicaId, Scope};
+use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, Scope};
 use crate::clock::ms_to_secs;
 use crate::cost::{bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
@@ -89,9 +89,17 @@ impl Candidates {
         }
     }
 
-    /// Keeps the candidates that are live members of `serving`.
+    /// Keeps the candidates that are live members of `serving`. Both are
+    /// sorted by replica id (candidates come from rows, which are), so this
+    /// is one merge pass.
     fn retain_live(&mut self, serving: &Serving) {
-        let live = |c: &Candidate| serving.binary_search(&c.replica).is_ok();
+        let mut at = 0;
+        let mut live = |c: &Candidate| {
+            while at < serving.len() && serving[at] < c.replica {
+                at += 1;
+            }
+            at < serving.len() && serving[at] == c.replica
+        };
         if self.spill.is_empty() {
             let mut kept = 0;
             for i in 0..self.len {
@@ -177,6 +185,14 @@ impl Ctx<'_> {
     }
 }
 
+/// A request's tenant, model and scheme as interned ids, resolved once.
+#[derive(Debug, Clone, Copy)]
+struct Names {
+    tenant: Option<NameId>,
+    model: Option<NameId>,
+    scheme: Option<NameId>,
+}
+
 fn expired(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|d| Instant::now() >= d)
 }
@@ -227,9 +243,29 @@ impl CacheIndex {
         };
         let catalog = self.catalog.read();
         let fleet = self.fleet.read();
-        let scope = catalog.scope(req.tenant_id, req.model_id, req.hash_scheme);
-        let part = catalog.partition(req.tenant_id, req.model_id, req.hash_scheme, adapter);
-        let serving = self.serving_set(&ctx, &catalog, &fleet, req, scope);
+        // Each name is resolved once.
+        let names = Names {
+            tenant: catalog.name(req.tenant_id),
+            model: catalog.name(req.model_id),
+            scheme: catalog.name(req.hash_scheme),
+        };
+        let (scope, part) = match (names.tenant, names.model, names.scheme) {
+            (Some(t), Some(m), Some(s)) => (
+                catalog.scope_of([t, m, s]),
+                catalog
+                    .name(adapter)
+                    .and_then(|a| catalog.partition_of([t, m, s, a])),
+            ),
+            _ => (None, None),
+        };
+        // Start the first block's key-table miss; the serving set is
+        // worked out while it is under way.
+        if let (Some(p), Some(c)) = (part, chain) {
+            self.store
+                .reader()
+                .touch(&Key::of_bytes(p, c.hashes.get(0)));
+        }
+        let serving = self.serving_set(&ctx, &catalog, &fleet, names, scope);
         let mut cands = Candidates::new();
         let request_tokens: i64;
         let mut matched = match chain {
@@ -402,15 +438,14 @@ impl CacheIndex {
         ctx: &Ctx<'_>,
         catalog: &Catalog,
         fleet: &Fleet,
-        req: &LookupRequest<'_>,
+        names: Names,
         scope: Option<&std::sync::Arc<Scope>>,
     ) -> Serving {
         let mut out = Serving::new();
-        let (Some(tenant), Some(model)) = (catalog.name(req.tenant_id), catalog.name(req.model_id))
-        else {
+        let (Some(tenant), Some(model)) = (names.tenant, names.model) else {
             return out;
         };
-        let scheme = catalog.name(req.hash_scheme);
+        let scheme = names.scheme;
         let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
         for member in fleet.members(tenant, model) {
             // An id freed by a sweep while a membership was being written
@@ -477,8 +512,11 @@ impl CacheIndex {
             let Some(body) = guard.as_ref() else {
                 return Matched::Miss;
             };
-            // How far the request follows this run: one compare per block.
+            // Start the misses on the candidates' cells now, so they overlap
+            // the compares below.
             let len = body.len();
+            body.touch_cells(pos);
+            // How far the request follows this run: one compare per block.
             let mut m = 1;
             while i + m < n && pos + m < len {
                 let hash = HashRef::from_bytes(chain.hashes.get(i + m));
@@ -487,6 +525,13 @@ impl CacheIndex {
                 }
                 m += 1;
             }
+            // Where the request leaves the run it continues through another
+            // one: start that key-table miss before reading the cells here.
+            let next = (i + m < n).then(|| {
+                let key = Key::of_bytes(part, chain.hashes.get(i + m));
+                reader.touch(&key);
+                key
+            });
             let tokens = &counts[i..i + m];
             let mut any = false;
             if i == 0 {
@@ -523,10 +568,10 @@ impl CacheIndex {
                 }
             }
             i += m;
-            if !any || i == n {
+            let Some(next) = next.filter(|_| any) else {
                 return Matched::Hits;
-            }
-            match reader.locate(part, &Key::of_bytes(part, chain.hashes.get(i))) {
+            };
+            match reader.locate(part, &next) {
                 Some((g, p)) => (guard, pos) = (g, p),
                 None => return Matched::Hits,
             }
@@ -774,16 +819,24 @@ impl CacheIndex {
 
 /// Extends a candidate's leading run over consecutive cells of its row.
 fn extend(c: &mut Candidate, cells: impl Iterator<Item = Cell>, tokens: &[i32]) {
+    let mut oldest = c.oldest_seen;
+    let mut tier = c.tier;
+    let mut matched = 0i64;
+    let mut blocks = 0u32;
     for (cell, &n) in cells.zip(tokens) {
         if !cell.held() {
             c.active = false;
-            return;
+            break;
         }
-        c.matched += i64::from(n);
-        c.blocks += 1;
-        c.oldest_seen = c.oldest_seen.min(cell.last_seen());
-        c.tier = c.tier.max(cell.tier());
+        matched += i64::from(n);
+        blocks += 1;
+        oldest = oldest.min(cell.last_seen());
+        tier = tier.max(cell.tier());
     }
+    c.matched += matched;
+    c.blocks += blocks;
+    c.oldest_seen = oldest;
+    c.tier = tier;
 }
 
 fn sort_scores(scores: &mut [ReplicaScore]) {

@@ -37,7 +37,7 @@
 //! key table's 8-byte slot at 7/16–7/8 load, plus a run header shared by the
 //! run's blocks.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::{ArcSwap, ArcSwapOption, Guard};
@@ -163,35 +163,97 @@ type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
 type RunChunk = Box<[ArcSwapOption<Body>]>;
 
-/// The arrays of a run, changed in place by the writer.
-#[derive(Debug)]
+/// Header words of a run's data: published length, row slots handed out,
+/// block and row capacity.
+const LEN: usize = 0;
+const USED_ROWS: usize = 1;
+const CAPS: usize = 2;
+const HEAD: usize = 3;
+
+/// The arrays of a run, changed in place by the writer: the header, the
+/// hashes, the token counts (two per word) and the cells (`row_cap × cap`,
+/// row slot major) in one allocation, so a reader reaches all of them from
+/// the body in one step.
+#[derive(Debug, Clone)]
 struct RunData {
-    /// Published positions.
-    len: AtomicU32,
-    cap: usize,
-    row_cap: usize,
-    /// Row slots handed out so far (writer only).
-    used_rows: AtomicU32,
-    hashes: Box<[AtomicU64]>,
-    counts: Box<[AtomicU32]>,
-    wide: Option<WideBytes>,
-    /// `row_cap × cap`, row slot major.
-    cells: Box<[AtomicU64]>,
+    words: Arc<[AtomicU64]>,
+    wide: Option<Arc<WideBytes>>,
 }
 
 impl RunData {
     fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
-        let words = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
+        let n = HEAD + cap + cap.div_ceil(2) + row_cap * cap;
+        let words: Arc<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
+        words[CAPS].store(cap as u64 | ((row_cap as u64) << 32), Ordering::Relaxed);
         Self {
-            len: AtomicU32::new(0),
-            cap,
-            row_cap,
-            used_rows: AtomicU32::new(0),
-            hashes: words(cap),
-            counts: (0..cap).map(|_| AtomicU32::new(0)).collect(),
-            wide: wide.then(|| (0..cap).map(|_| OnceLock::new()).collect()),
-            cells: words(row_cap * cap),
+            words,
+            wide: wide.then(|| Arc::new((0..cap).map(|_| OnceLock::new()).collect())),
         }
+    }
+
+    fn cap(&self) -> usize {
+        self.words[CAPS].load(Ordering::Relaxed) as u32 as usize
+    }
+
+    fn row_cap(&self) -> usize {
+        (self.words[CAPS].load(Ordering::Relaxed) >> 32) as usize
+    }
+
+    /// Published positions.
+    fn len(&self) -> usize {
+        self.words[LEN].load(Ordering::Acquire) as usize
+    }
+
+    /// Publishes positions below `len` (filled before).
+    fn publish_len(&self, len: usize) {
+        self.words[LEN].store(len as u64, Ordering::Release);
+    }
+
+    /// Row slots handed out so far (writer only).
+    fn used_rows(&self) -> usize {
+        self.words[USED_ROWS].load(Ordering::Relaxed) as usize
+    }
+
+    fn set_used_rows(&self, n: usize) {
+        self.words[USED_ROWS].store(n as u64, Ordering::Relaxed);
+    }
+
+    fn hash(&self, pos: usize) -> u64 {
+        self.words[HEAD + pos].load(Ordering::Relaxed)
+    }
+
+    fn set_hash(&self, pos: usize, word: u64) {
+        self.words[HEAD + pos].store(word, Ordering::Relaxed);
+    }
+
+    fn count_word(&self, pos: usize) -> &AtomicU64 {
+        &self.words[HEAD + self.cap() + pos / 2]
+    }
+
+    fn count(&self, pos: usize) -> u32 {
+        (self.count_word(pos).load(Ordering::Relaxed) >> ((pos & 1) * 32)) as u32
+    }
+
+    /// Sets a token count (writer only: the other half of the word stays).
+    fn set_count(&self, pos: usize, count: u32) {
+        let word = self.count_word(pos);
+        let shift = (pos & 1) * 32;
+        let old = word.load(Ordering::Relaxed);
+        let next = (old & !(0xFFFF_FFFFu64 << shift)) | (u64::from(count) << shift);
+        if next != old {
+            word.store(next, Ordering::Relaxed);
+        }
+    }
+
+    /// Cells of row slot `slot`, positions `from..to`.
+    fn cells(&self, slot: usize, from: usize, to: usize) -> &[AtomicU64] {
+        let cap = self.cap();
+        let base = HEAD + cap + cap.div_ceil(2) + slot * cap;
+        &self.words[base + from..base + to]
+    }
+
+    fn cell(&self, slot: usize, pos: usize) -> &AtomicU64 {
+        &self.cells(slot, pos, pos + 1)[0]
     }
 }
 
@@ -211,13 +273,13 @@ pub(crate) struct Body {
     pub part: PartitionId,
     /// Inline for the common few holders: one dependent load less per run.
     rows: Rows,
-    data: Arc<RunData>,
+    data: RunData,
 }
 
 impl Body {
     /// Published positions.
     pub fn len(&self) -> usize {
-        self.data.len.load(Ordering::Acquire) as usize
+        self.data.len()
     }
 
     /// Whether position `pos` (below [`len`](Self::len)) holds `key`.
@@ -227,7 +289,7 @@ impl Body {
 
     /// Whether position `pos` holds `hash`, whose [`HashRef::word`] is `word`.
     pub fn holds(&self, pos: usize, hash: HashRef<'_>, word: u64) -> bool {
-        if self.data.hashes[pos].load(Ordering::Relaxed) != word {
+        if self.data.hash(pos) != word {
             return false;
         }
         match (&self.data.wide, hash) {
@@ -239,7 +301,7 @@ impl Body {
 
     /// Stored token count of a position.
     pub fn count(&self, pos: usize) -> u32 {
-        self.data.counts[pos].load(Ordering::Relaxed)
+        self.data.count(pos)
     }
 
     /// Replicas with cells in the run, ascending.
@@ -269,7 +331,7 @@ impl Body {
     }
 
     fn cell_at(&self, row: usize, pos: usize) -> &AtomicU64 {
-        &self.data.cells[self.rows[row].slot as usize * self.data.cap + pos]
+        self.data.cell(self.rows[row].slot as usize, pos)
     }
 
     pub fn cell(&self, row: usize, pos: usize) -> Cell {
@@ -278,10 +340,23 @@ impl Body {
 
     /// Cells of row `row` from `pos` on (up to the published length).
     pub fn cells(&self, row: usize, pos: usize, len: usize) -> impl Iterator<Item = Cell> + '_ {
-        let base = self.rows[row].slot as usize * self.data.cap;
-        self.data.cells[base + pos..base + len]
+        self.data
+            .cells(self.rows[row].slot as usize, pos, len)
             .iter()
             .map(|c| Cell(c.load(Ordering::Relaxed)))
+    }
+
+    /// Loads the first cells from `pos` of the first rows, so that their
+    /// misses are under way while the caller compares hashes.
+    pub fn touch_cells(&self, pos: usize) {
+        let mut acc = 0;
+        for row in self.rows.iter().take(8) {
+            acc ^= self
+                .data
+                .cell(row.slot as usize, pos)
+                .load(Ordering::Relaxed);
+        }
+        std::hint::black_box(acc);
     }
 
     /// Adds one to a cell's access count (saturating); lock-free, so a
@@ -318,10 +393,7 @@ impl Body {
 
     /// The probe of position `pos`.
     fn probe(&self, pos: usize) -> Probe {
-        Probe::of(mix(
-            self.data.hashes[pos].load(Ordering::Relaxed),
-            self.part,
-        ))
+        Probe::of(mix(self.data.hash(pos), self.part))
     }
 }
 
@@ -403,6 +475,12 @@ pub(crate) struct Reader<'s> {
 pub(crate) type BodyGuard = Guard<Option<Arc<Body>>>;
 
 impl Reader<'_> {
+    /// Loads the key's home slot so that a [`locate`](Self::locate) soon
+    /// after finds it in cache.
+    pub fn touch(&self, key: &Key<'_>) {
+        std::hint::black_box(self.table.touch(key.probe));
+    }
+
     /// The body and position holding `key` in `part`.
     pub fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(BodyGuard, usize)> {
         let mut found = None;
@@ -534,10 +612,7 @@ impl Writing<'_> {
                 self.w.table.rebuilt(0, |l| {
                     let (run, pos) = split(l);
                     let body = bodies.get(run as usize)?.as_ref()?;
-                    Some(mix(
-                        body.data.hashes[pos].load(Ordering::Relaxed),
-                        body.part,
-                    ))
+                    Some(mix(body.data.hash(pos), body.part))
                 })
             };
             self.swap_table(next);
@@ -562,10 +637,7 @@ impl Writing<'_> {
             self.w.table.rebuilt(0, |l| {
                 let (run, pos) = split(l);
                 let body = bodies.get(run as usize)?.as_ref()?;
-                Some(mix(
-                    body.data.hashes[pos].load(Ordering::Relaxed),
-                    body.part,
-                ))
+                Some(mix(body.data.hash(pos), body.part))
             })
         };
         self.swap_table(next);
@@ -592,6 +664,15 @@ impl Writing<'_> {
         claim: Claim,
         h: &mut Holding,
     ) {
+        // Start every key's table miss at once; the loop below then finds
+        // them in cache instead of waiting for one after the other.
+        if keys.len() > 1 {
+            let table = &self.w.table;
+            let touched = keys
+                .iter()
+                .fold(0u64, |acc, (key, _)| acc ^ table.touch(key.probe));
+            std::hint::black_box(touched);
+        }
         let mut prev: Option<(u32, usize)> = None;
         for (i, (key, count)) in keys.iter().enumerate() {
             let next = prev
@@ -618,7 +699,7 @@ impl Writing<'_> {
         let Some(body) = self.body(run).cloned() else {
             return;
         };
-        body.data.counts[pos].store(count, Ordering::Relaxed);
+        body.data.set_count(pos, count);
         if let Some(row) = body.row(claim.replica) {
             let old = body.cell(row, pos);
             if old.held() {
@@ -676,9 +757,9 @@ impl Writing<'_> {
             return Some((body, row));
         }
         let data = &body.data;
-        let used = data.used_rows.load(Ordering::Relaxed) as usize;
-        let next = if used < data.row_cap {
-            data.used_rows.store(used as u32 + 1, Ordering::Relaxed);
+        let used = data.used_rows();
+        let next = if used < data.row_cap() {
+            data.set_used_rows(used + 1);
             let mut rows: Vec<Row> = body.rows.to_vec();
             let at = rows.partition_point(|r| r.replica < replica);
             rows.insert(
@@ -694,7 +775,7 @@ impl Writing<'_> {
                 data: body.data.clone(),
             }
         } else {
-            rebuilt(&body, data.cap, Some(replica))
+            rebuilt(&body, data.cap(), Some(replica))
         };
         self.w.by_replica.entry(replica).or_default().insert(run);
         let body = self.publish(run, next);
@@ -720,8 +801,8 @@ impl Writing<'_> {
         let (run, pos) = match tail {
             Some((run, pos)) => {
                 let body = self.body(run).cloned()?;
-                if pos + 1 == body.data.cap {
-                    let cap = (body.data.cap * 2).clamp(pos + 2, RUN_BLOCKS);
+                if pos + 1 == body.data.cap() {
+                    let cap = (body.data.cap() * 2).clamp(pos + 2, RUN_BLOCKS);
                     self.publish(run, rebuilt(&body, cap, None));
                 }
                 (run, pos + 1)
@@ -735,7 +816,7 @@ impl Writing<'_> {
                 let body = Body {
                     part,
                     rows: Rows::new(),
-                    data: Arc::new(RunData::new(cap, 1, key.hash.is_wide())),
+                    data: RunData::new(cap, 1, key.hash.is_wide()),
                 };
                 self.publish(run, body);
                 (run, 0)
@@ -743,13 +824,13 @@ impl Writing<'_> {
         };
         let (body, row) = self.ensure_row(run, claim.replica)?;
         let data = &body.data;
-        data.hashes[pos].store(key.word, Ordering::Relaxed);
-        data.counts[pos].store(count, Ordering::Relaxed);
+        data.set_hash(pos, key.word);
+        data.set_count(pos, count);
         if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
             let _ = wide[pos].set(bytes.into());
         }
         body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
-        data.len.store(pos as u32 + 1, Ordering::Release);
+        data.publish_len(pos + 1);
         self.insert_key(key.probe, loc(run, pos));
         self.w.live[run as usize] += 1;
         self.w.entries += 1;
@@ -905,13 +986,13 @@ impl Writing<'_> {
         let data = &body.data;
         // Dead slots are never reused in place (a reader may still hold an
         // index naming them); rebuild when most row slots are dead.
-        let next = if rows.len() * 2 < data.used_rows.load(Ordering::Relaxed) as usize {
+        let next = if rows.len() * 2 < data.used_rows() {
             let trimmed = Body {
                 part: body.part,
                 rows: Rows::from_vec(rows),
                 data: body.data.clone(),
             };
-            rebuilt(&trimmed, data.cap, None)
+            rebuilt(&trimmed, data.cap(), None)
         } else {
             Body {
                 part: body.part,
@@ -945,6 +1026,16 @@ impl Writing<'_> {
     }
 }
 
+/// Row slots a rebuilt run gets for `rows` rows: exact for the common one
+/// or two holders (8 bytes per block and holder, nothing spare), half
+/// again as many beyond, so adding holders one by one rebuilds rarely.
+fn row_capacity(rows: usize) -> usize {
+    match rows {
+        0..=2 => rows.max(1),
+        n => n + n / 2,
+    }
+}
+
 /// A copy of `body` with `cap` block capacity, its live rows packed into
 /// fresh slots and a row for `add` if given.
 fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
@@ -954,12 +1045,12 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
         let at = rows.partition_point(|r| r.replica < replica);
         rows.insert(at, Row { replica, slot: 0 });
     }
-    let row_cap = (rows.len() * 2).max(1);
+    let row_cap = row_capacity(rows.len());
     let data = RunData::new(cap, row_cap, old.wide.is_some());
     let len = body.len();
     for pos in 0..len {
-        data.hashes[pos].store(old.hashes[pos].load(Ordering::Relaxed), Ordering::Relaxed);
-        data.counts[pos].store(old.counts[pos].load(Ordering::Relaxed), Ordering::Relaxed);
+        data.set_hash(pos, old.hash(pos));
+        data.set_count(pos, old.count(pos));
         if let (Some(from), Some(to)) = (&old.wide, &data.wide)
             && let Some(bytes) = from[pos].get()
         {
@@ -970,20 +1061,17 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
         let from = body.row(row.replica).map(|r| body.rows[r].slot as usize);
         row.slot = slot as u32;
         if let Some(from) = from {
-            for pos in 0..len {
-                data.cells[slot * cap + pos].store(
-                    old.cells[from * old.cap + pos].load(Ordering::Relaxed),
-                    Ordering::Relaxed,
-                );
+            for (to, from) in data.cells(slot, 0, len).iter().zip(old.cells(from, 0, len)) {
+                to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
             }
         }
     }
-    data.used_rows.store(rows.len() as u32, Ordering::Relaxed);
-    data.len.store(len as u32, Ordering::Relaxed);
+    data.set_used_rows(rows.len());
+    data.publish_len(len);
     Body {
         part: body.part,
         rows: Rows::from_vec(rows),
-        data: Arc::new(data),
+        data,
     }
 }
 

@@ -85,6 +85,13 @@ impl KeyTable {
         }
     }
 
+    /// Loads the key's home slot and returns it, so that a caller about to
+    /// probe many keys one after the other can start their cache misses
+    /// together instead of one at a time.
+    pub fn touch(&self, probe: Probe) -> u64 {
+        self.slots[self.home(probe)].0.load(Ordering::Relaxed)
+    }
+
     /// Whether one more insert needs a bigger table.
     pub fn full(&self) -> bool {
         (self.used.load(Ordering::Relaxed) as usize + 1) * 8 > self.slots.len() * 7
