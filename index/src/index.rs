@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::RwLock;
+use smallvec::SmallVec;
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
@@ -69,24 +70,73 @@ impl Default for CacheIndex {
     }
 }
 
-/// Entry/key deltas of one partition, accumulated over a batch.
+/// Entry/key deltas of one partition, accumulated over a batch. An update
+/// touches one or two (partition, replica) pairs: those stay in a short list
+/// searched in place, and only a batch with many (a sweep) builds maps.
 #[derive(Debug, Default)]
 pub(crate) struct Deltas {
-    entries: HashMap<(PartitionId, ReplicaId), i64>,
-    keys: HashMap<PartitionId, i64>,
+    entries: Tally<(PartitionId, ReplicaId)>,
+    keys: Tally<PartitionId>,
+}
+
+/// Sums per key: a short list, and a map once there are many keys.
+#[derive(Debug)]
+struct Tally<K> {
+    few: SmallVec<[(K, i64); 4]>,
+    many: HashMap<K, i64>,
+}
+
+impl<K> Default for Tally<K> {
+    fn default() -> Self {
+        Self {
+            few: SmallVec::new(),
+            many: HashMap::new(),
+        }
+    }
+}
+
+/// Keys a [`Tally`] keeps in its list before it builds a map.
+const FEW: usize = 16;
+
+impl<K: Copy + Eq + std::hash::Hash> Tally<K> {
+    fn add(&mut self, key: K, delta: i64) {
+        if self.many.is_empty() {
+            if let Some((_, d)) = self.few.iter_mut().find(|(k, _)| *k == key) {
+                *d += delta;
+                return;
+            }
+            if self.few.len() < FEW {
+                self.few.push((key, delta));
+                return;
+            }
+            self.many.extend(self.few.drain(..));
+        }
+        *self.many.entry(key).or_insert(0) += delta;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.few.is_empty() && self.many.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (K, i64)> + '_ {
+        self.few
+            .iter()
+            .copied()
+            .chain(self.many.iter().map(|(&k, &d)| (k, d)))
+    }
 }
 
 impl Deltas {
     pub fn entry(&mut self, part: PartitionId, replica: ReplicaId, delta: i64) {
-        *self.entries.entry((part, replica)).or_insert(0) += delta;
+        self.entries.add((part, replica), delta);
     }
 
     pub fn key(&mut self, part: PartitionId, delta: i64) {
-        *self.keys.entry(part).or_insert(0) += delta;
+        self.keys.add(part, delta);
     }
 
     pub fn total_entries(&self) -> i64 {
-        self.entries.values().sum()
+        self.entries.iter().map(|(_, d)| d).sum()
     }
 }
 
@@ -446,7 +496,7 @@ impl CacheIndex {
         }
         let catalog = self.catalog.read();
         let mut total = 0;
-        for (&(part, replica), &d) in &deltas.entries {
+        for ((part, replica), d) in deltas.entries.iter() {
             if let Some(partition) = catalog.partitions.get(part) {
                 partition.entries.fetch_add(d, Ordering::Relaxed);
                 partition.tenant_entries.fetch_add(d, Ordering::Relaxed);
@@ -457,7 +507,7 @@ impl CacheIndex {
             total += d;
         }
         let mut keys = 0;
-        for (&part, &d) in &deltas.keys {
+        for (part, d) in deltas.keys.iter() {
             if let Some(partition) = catalog.partitions.get(part) {
                 partition.keys.fetch_add(d, Ordering::Relaxed);
             }

@@ -36,7 +36,7 @@ use crate::model::{
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
-use crate::store::{Cell, HashRef, Key};
+use crate::store::{Cell, HashRef, Key, Reader};
 
 const INLINE: usize = 16;
 
@@ -66,6 +66,13 @@ impl Candidates {
             inline: [Candidate::default(); INLINE],
             len: 0,
             spill: Vec::new(),
+        }
+    }
+
+    /// Room for `n` candidates without growing one at a time.
+    fn reserve(&mut self, n: usize) {
+        if n > INLINE {
+            self.spill.reserve(n);
         }
     }
 
@@ -260,10 +267,9 @@ impl CacheIndex {
         };
         // Start the first block's key-table miss; the serving set is
         // worked out while it is under way.
+        let reader = self.store.reader();
         if let (Some(p), Some(c)) = (part, chain) {
-            self.store
-                .reader()
-                .touch(&Key::of_bytes(p, c.hashes.get(0)));
+            reader.touch(&Key::of_bytes(p, c.hashes.get(0)));
         }
         let serving = self.serving_set(&ctx, &catalog, &fleet, names, scope);
         let mut cands = Candidates::new();
@@ -272,7 +278,7 @@ impl CacheIndex {
             Some(c) => {
                 request_tokens = c.token_counts.iter().map(|&n| i64::from(n)).sum();
                 match part {
-                    Some(p) => self.walk_chain(p, c, &mut cands),
+                    Some(p) => walk_chain(&reader, p, c, &mut cands),
                     None => Matched::Miss,
                 }
             }
@@ -493,89 +499,6 @@ impl CacheIndex {
             record.add_assigned(now_ms, half_life_ms);
         }
         self.observe_request_tokens(uncached as f64);
-    }
-
-    /// Matches a chain in a partition: every holder of block 0 becomes a
-    /// candidate with the length, tokens, oldest last-seen and coldest tier
-    /// of its leading run of held blocks. Lock-free; see the `store` module.
-    fn walk_chain(&self, part: PartitionId, chain: Chain<'_>, cands: &mut Candidates) -> Matched {
-        let reader = self.store.reader();
-        let n = chain.hashes.len();
-        let counts = chain.token_counts;
-        let Some((mut guard, mut pos)) =
-            reader.locate(part, &Key::of_bytes(part, chain.hashes.get(0)))
-        else {
-            return Matched::Miss;
-        };
-        let mut i = 0;
-        loop {
-            let Some(body) = guard.as_ref() else {
-                return Matched::Miss;
-            };
-            // Start the misses on the candidates' cells now, so they overlap
-            // the compares below.
-            let len = body.len();
-            body.touch_cells(pos);
-            // How far the request follows this run: one compare per block.
-            let mut m = 1;
-            while i + m < n && pos + m < len {
-                let hash = HashRef::from_bytes(chain.hashes.get(i + m));
-                if !body.holds(pos + m, hash, hash.word()) {
-                    break;
-                }
-                m += 1;
-            }
-            // Where the request leaves the run it continues through another
-            // one: start that key-table miss before reading the cells here.
-            let next = (i + m < n).then(|| {
-                let key = Key::of_bytes(part, chain.hashes.get(i + m));
-                reader.touch(&key);
-                key
-            });
-            let tokens = &counts[i..i + m];
-            let mut any = false;
-            if i == 0 {
-                for row in 0..body.row_count() {
-                    let mut c = Candidate {
-                        replica: body.replica(row),
-                        matched: 0,
-                        blocks: 0,
-                        oldest_seen: u32::MAX,
-                        tier: 0,
-                        active: true,
-                    };
-                    extend(&mut c, body.cells(row, pos, pos + m), tokens);
-                    if c.blocks > 0 {
-                        any |= c.active;
-                        cands.push(c);
-                    }
-                }
-                if cands.as_slice().is_empty() {
-                    return Matched::Miss;
-                }
-            } else {
-                // Candidates and rows are both sorted by replica id.
-                let mut from = 0;
-                for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
-                    match body.row_from(c.replica, from) {
-                        Some(row) => {
-                            from = row + 1;
-                            extend(c, body.cells(row, pos, pos + m), tokens);
-                            any |= c.active;
-                        }
-                        None => c.active = false,
-                    }
-                }
-            }
-            i += m;
-            let Some(next) = next.filter(|_| any) else {
-                return Matched::Hits;
-            };
-            match reader.locate(part, &next) {
-                Some((g, p)) => (guard, pos) = (g, p),
-                None => return Matched::Hits,
-            }
-        }
     }
 
     fn match_exact(
@@ -813,6 +736,93 @@ impl CacheIndex {
                     .for_each(|i| credit(&Key::of_bytes(part, c.hashes.get(i)))),
                 None => credit(&Key::of_bytes(part, prefix_hash)),
             }
+        }
+    }
+}
+
+/// Matches a chain in a partition: every holder of block 0 becomes a
+/// candidate with the length, tokens, oldest last-seen and coldest tier
+/// of its leading run of held blocks. Lock-free; see the `store` module.
+fn walk_chain(
+    reader: &Reader<'_>,
+    part: PartitionId,
+    chain: Chain<'_>,
+    cands: &mut Candidates,
+) -> Matched {
+    let n = chain.hashes.len();
+    let counts = chain.token_counts;
+    let Some((mut guard, mut pos)) = reader.locate(part, &Key::of_bytes(part, chain.hashes.get(0)))
+    else {
+        return Matched::Miss;
+    };
+    let mut i = 0;
+    loop {
+        let Some(body) = guard.as_ref() else {
+            return Matched::Miss;
+        };
+        // Start the misses on the candidates' cells now, so they overlap
+        // the compares below.
+        let len = body.len();
+        body.touch_cells(pos);
+        // How far the request follows this run: one compare per block.
+        let mut m = 1;
+        while i + m < n && pos + m < len {
+            let hash = HashRef::from_bytes(chain.hashes.get(i + m));
+            if !body.holds(pos + m, hash, hash.word()) {
+                break;
+            }
+            m += 1;
+        }
+        // Where the request leaves the run it continues through another
+        // one: start that key-table miss before reading the cells here.
+        let next = (i + m < n).then(|| {
+            let key = Key::of_bytes(part, chain.hashes.get(i + m));
+            reader.touch(&key);
+            key
+        });
+        let tokens = &counts[i..i + m];
+        let mut any = false;
+        if i == 0 {
+            cands.reserve(body.row_count());
+            for row in 0..body.row_count() {
+                let mut c = Candidate {
+                    replica: body.replica(row),
+                    matched: 0,
+                    blocks: 0,
+                    oldest_seen: u32::MAX,
+                    tier: 0,
+                    active: true,
+                };
+                extend(&mut c, body.cells(row, pos, pos + m), tokens);
+                if c.blocks > 0 {
+                    any |= c.active;
+                    cands.push(c);
+                }
+            }
+            if cands.as_slice().is_empty() {
+                return Matched::Miss;
+            }
+        } else {
+            // Candidates and rows are both sorted by replica id.
+            let mut from = 0;
+            for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
+                match body.row_from(c.replica, from) {
+                    Some(row) => {
+                        from = row + 1;
+                        extend(c, body.cells(row, pos, pos + m), tokens);
+                        any |= c.active;
+                    }
+                    None => c.active = false,
+                }
+            }
+        }
+        i += m;
+        let Some(next) = next.filter(|_| any) else {
+            return Matched::Hits;
+        };
+        match reader.locate(part, &next) {
+            Some((g, p)) => (guard, pos) = (g, p),
+            None => return Matched::Hits,
         }
     }
 }

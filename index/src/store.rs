@@ -382,6 +382,11 @@ impl Body {
             .count()
     }
 
+    /// Whether any row holds position `pos`.
+    fn held_by_any(&self, pos: usize) -> bool {
+        (0..self.rows.len()).any(|r| self.cell(r, pos).held())
+    }
+
     fn row_live(&self, row: usize) -> usize {
         let len = self.len();
         self.cells(row, 0, len).filter(|c| c.held()).count()
@@ -716,7 +721,12 @@ impl Writing<'_> {
             h.refused += 1;
             return;
         }
-        let holders = body.holders_at(pos);
+        // Counting stops early when the bound cannot be reached.
+        let holders = if body.row_count() < h.max_holders.max(1) {
+            usize::from(body.held_by_any(pos))
+        } else {
+            body.holders_at(pos)
+        };
         let mut displaced = false;
         if holders >= h.max_holders.max(1) {
             // The stalest other holder makes room (ties: lowest replica id).
