@@ -1,7 +1,9 @@
 //! Admin HTTP listener: liveness, readiness (with a `canary:` line while the
-//! canary disagrees, see [`crate::canary`]), Prometheus metrics and the
-//! hint-accuracy aggregate (`/snapshot/accuracy`: every outcome series the
-//! gateways reported, as JSON; metadata only).
+//! canary disagrees, see [`crate::canary`], and an `accuracy:` line per
+//! accuracy alert, see [`crate::accuracy_watch`]; neither makes the server
+//! unready), Prometheus metrics and the hint-accuracy aggregate
+//! (`/snapshot/accuracy`: every outcome series the gateways reported, the
+//! accuracy watch's windows and alerts, as JSON; metadata only).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +42,7 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
         .canary_failure()
         .map(|failure| format!("canary: {failure}\n"))
         .unwrap_or_default();
+    let canary = canary + &state.metrics.outcomes.watch().readiness_detail();
     if state.ready.load(Ordering::Acquire) {
         (StatusCode::OK, format!("ready\n{canary}"))
     } else {
@@ -62,10 +65,14 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
 
 async fn accuracy(State(state): State<AdminState>) -> impl IntoResponse {
     let book = &state.metrics.outcomes;
+    let settings = book.settings();
     let body = serde_json::json!({
-        "maxSeries": book.settings().max_series,
+        "maxSeries": settings.max_series,
+        "maxIdBytes": settings.max_id_bytes,
+        "maxBatch": settings.max_batch,
         "droppedByGateways": book.dropped_by_gateways.get(),
         "series": book.all_rows(),
+        "watch": book.watch().report(),
     });
     (
         [(header::CONTENT_TYPE, "application/json")],

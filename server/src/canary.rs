@@ -1,7 +1,8 @@
 //! The canary: a periodic self-check that the server's tokenizer, fingerprint
 //! and index agree on a known prompt.
 //!
-//! Every [`CANARY_INTERVAL`] (first right after start) the server checks:
+//! Every `--canary-interval` (default one minute; first right after start)
+//! the server checks:
 //!
 //! 1. **fingerprint**: the construction still reproduces the contract's
 //!    golden vectors (tokens 1..=16 and 0..=63, block 16);
@@ -19,7 +20,9 @@
 //! `GetCacheState`. A disagreement is logged (warn, with the failing leg),
 //! counted (`inferencecache_canary_checks_total{result="fail"}`), drops
 //! `inferencecache_canary_ok` to 0 and adds a `canary:` line to `/readyz`
-//! (readiness itself is unaffected: hints fail open).
+//! (readiness itself is unaffected: hints fail open). The accuracy watch
+//! ([`crate::accuracy_watch`]) turns a disagreement into its `canary` alert
+//! at its next check.
 //!
 //! Cost: one tokenization per served model and a few hundred bytes of index
 //! per minute.
@@ -38,8 +41,6 @@ use crate::index_runtime::IndexState;
 use crate::metrics::Metrics;
 use crate::prompt_inputs::{PromptState, TextInput};
 
-/// How often the canary runs.
-pub const CANARY_INTERVAL: Duration = Duration::from_secs(60);
 /// The known prompt (long enough to fill several blocks of any usual size).
 pub const CANARY_PROMPT: &str = "inference-cache canary. The quick brown fox jumps over the \
     lazy dog while the cache index, the fingerprint and the tokenizer agree on every block of \
@@ -215,15 +216,17 @@ async fn check_tokenizer(
         .map_err(|failure| format!("tokenizer {model}: {failure}"))
 }
 
-/// Runs the canary every [`CANARY_INTERVAL`] until `shutdown`, recording each result in `metrics`.
+/// Runs the canary every `interval` (`--canary-interval`; the first run at
+/// once) until `shutdown`, recording each result in `metrics`.
 pub fn spawn(
     prompts: Arc<PromptState>,
     index: Arc<IndexState>,
     metrics: Arc<Metrics>,
+    interval: Duration,
     shutdown: CancellationToken,
 ) {
     tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(CANARY_INTERVAL);
+        let mut ticks = tokio::time::interval(interval);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::index_runtime::IndexSettings;
 use crate::limits::Limits;
+use crate::outcomes::OutcomeSettings;
 use crate::prompt_inputs::PromptSettings;
 use crate::replication::ReplicationSettings;
 use crate::security::SecuritySettings;
@@ -38,6 +39,8 @@ pub struct ServeConfig {
     pub shutdown: ShutdownSettings,
     /// The shared event log on NATS JetStream (`--nats-url`); `None` keeps the index in this process only.
     pub replication: Option<ReplicationSettings>,
+    /// Bounds of the outcome aggregation and the accuracy watch's thresholds.
+    pub outcomes: OutcomeSettings,
 }
 
 fn addr(text: &str) -> SocketAddr {
@@ -56,6 +59,7 @@ impl Default for ServeConfig {
             security: SecuritySettings::default(),
             shutdown: ShutdownSettings::default(),
             replication: None,
+            outcomes: OutcomeSettings::default(),
         }
     }
 }

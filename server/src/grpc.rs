@@ -462,6 +462,7 @@ impl InferenceCache for CacheService {
             .record_limit_n("outcome_series", recorded.folded);
         self.metrics
             .record_limit_n("outcome_id_bytes", recorded.refused);
+        self.metrics.record_limit_n("outcome_batch", recorded.cut);
         Ok(Response::new(Ack {
             accepted: true,
             reason_code: reason::OK.to_owned(),

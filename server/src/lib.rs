@@ -17,6 +17,7 @@
 //! # }
 //! ```
 
+mod accuracy_watch;
 mod admin;
 pub mod auth;
 mod canary;
@@ -36,6 +37,7 @@ mod security;
 mod streams;
 mod watch;
 
+pub use accuracy_watch::{AccuracyArgs, WatchSettings};
 pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
 };
@@ -43,6 +45,7 @@ pub use grpc::cache_update;
 pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;
+pub use outcomes::OutcomeSettings;
 pub use prompt_inputs::{PromptArgs, PromptSettings};
 pub use replication::{ReplicationArgs, ReplicationSettings};
 pub use run::{RunningServer, start};

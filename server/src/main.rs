@@ -10,8 +10,8 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use inference_cache_replay::ReplayArgs;
 use inference_cache_server::{
-    DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, IndexArgs, LimitArgs, PromptArgs, ReplicationArgs,
-    SecurityArgs, ServeConfig, ShutdownArgs, WatchArgs, start,
+    AccuracyArgs, DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, IndexArgs, LimitArgs, PromptArgs,
+    ReplicationArgs, SecurityArgs, ServeConfig, ShutdownArgs, WatchArgs, start,
 };
 use inference_cache_subscriber::SubscribeArgs;
 use tracing_subscriber::EnvFilter;
@@ -39,7 +39,7 @@ enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the policy server (gRPC InferenceCache service + admin HTTP).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Feed the server's index from an engine's ZMQ KV events (vLLM, SGLang).
     Subscribe(SubscribeArgs),
     /// Replay a request trace through routing policies over simulated replicas.
@@ -78,6 +78,9 @@ struct ServeArgs {
 
     #[command(flatten)]
     replication: ReplicationArgs,
+
+    #[command(flatten)]
+    accuracy: AccuracyArgs,
 }
 
 impl ServeArgs {
@@ -91,6 +94,7 @@ impl ServeArgs {
             security: self.security.into_settings(),
             shutdown: self.shutdown.into_settings(),
             replication: self.replication.into_settings(),
+            outcomes: self.accuracy.into_settings(),
         }
     }
 }
@@ -158,7 +162,7 @@ async fn main() -> ExitCode {
     };
     init_logging(cli.log_format, default_level);
     let result = match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Subscribe(args) => inference_cache_subscriber::run(args).await,
         Command::Replay(args) => inference_cache_replay::run(args).await.map_err(Into::into),
         Command::Watch(args) => inference_cache_server::watch(args).await,

@@ -173,7 +173,7 @@ impl Metrics {
             "Calls still open when the shutdown drain deadline passed, ended by the server",
             streams_cut.clone(),
         );
-        for limit in ["outcome_series", "outcome_id_bytes"] {
+        for limit in ["outcome_series", "outcome_id_bytes", "outcome_batch"] {
             let _ = limit_hits.get_or_create(&LimitLabel {
                 limit: limit.to_owned(),
             });

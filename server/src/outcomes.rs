@@ -8,12 +8,18 @@
 //! (labels `tenant`, `replica`, `mode`), rows for `GetCacheState` and the
 //! `/snapshot/accuracy` JSON.
 //!
+//! Routed outcomes with a prediction also feed the [`AccuracyWatch`], which
+//! flags replicas whose hints are systematically wrong.
+//!
 //! Invariants:
 //! - The number of series is bounded by [`OutcomeSettings::max_series`];
 //!   outcomes of further series are folded into one `_other` series (the
 //!   caller counts each fold), so neither memory nor label cardinality
 //!   grows with what reporters send. Identifiers longer than
-//!   [`OutcomeSettings::max_id_bytes`] are refused.
+//!   [`OutcomeSettings::max_id_bytes`] are refused; outcomes of one report
+//!   past [`OutcomeSettings::max_batch`] are dropped (the caller counts them).
+//! - Only outcomes counted in their own series reach the watch, so it holds
+//!   at most `max_series` keys.
 //! - A ratio (`cached / predicted`) exists only for outcomes with a
 //!   prediction; medians come from fixed 1 % bins, so they are exact to 1 %.
 //!
@@ -31,10 +37,15 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 
+use crate::accuracy_watch::{AccuracyWatch, WatchKey, WatchSettings};
+
 /// Default [`OutcomeSettings::max_series`].
 pub const DEFAULT_MAX_SERIES: usize = 1024;
 /// Default [`OutcomeSettings::max_id_bytes`].
 pub const DEFAULT_MAX_ID_BYTES: usize = 256;
+/// Default [`OutcomeSettings::max_batch`]: well above a gateway's
+/// `outcome_batch_max` (256).
+pub const DEFAULT_MAX_BATCH: usize = 4096;
 /// Label value of the series that collects outcomes past the series limit.
 pub const OTHER: &str = "_other";
 
@@ -43,7 +54,8 @@ const MAX_RATIO_PERCENT: usize = 400;
 /// Upper bounds of the `hint_cached_ratio` histogram buckets.
 const RATIO_BUCKETS: [f64; 11] = [0.0, 0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0];
 
-/// Bounds of the outcome aggregation.
+/// Bounds of the outcome aggregation (`--outcome-max-*`) and the accuracy
+/// watch (`--accuracy-*`, `--canary-interval`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutcomeSettings {
     /// Most `(tenant, model, replica, mode)` series kept; outcomes of further
@@ -53,6 +65,11 @@ pub struct OutcomeSettings {
     /// Longest tenant, model or replica id accepted in an outcome; longer
     /// ones are refused (counted as the `outcome_id_bytes` limit).
     pub max_id_bytes: usize,
+    /// Most outcomes counted from one report; the rest are dropped (counted
+    /// as the `outcome_batch` limit).
+    pub max_batch: usize,
+    /// How the accuracy watch judges the outcomes.
+    pub watch: WatchSettings,
 }
 
 impl Default for OutcomeSettings {
@@ -60,6 +77,8 @@ impl Default for OutcomeSettings {
         Self {
             max_series: DEFAULT_MAX_SERIES,
             max_id_bytes: DEFAULT_MAX_ID_BYTES,
+            max_batch: DEFAULT_MAX_BATCH,
+            watch: WatchSettings::default(),
         }
     }
 }
@@ -286,6 +305,8 @@ pub struct RecordReport {
     pub folded: u64,
     /// Outcomes refused: an identifier longer than `max_id_bytes`.
     pub refused: u64,
+    /// Outcomes dropped: past the report's first `max_batch`.
+    pub cut: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -335,6 +356,7 @@ pub struct OutcomeBook {
     /// `inferencecache_hint_outcomes_dropped_by_gateways_total`: outcomes
     /// reporters dropped (their buffers were full), as they said.
     pub dropped_by_gateways: Counter,
+    watch: AccuracyWatch,
 }
 
 impl OutcomeBook {
@@ -372,8 +394,10 @@ impl OutcomeBook {
             "Outcomes gateways dropped before reporting them (their outcome buffer was full)",
             dropped_by_gateways.clone(),
         );
+        let watch = AccuracyWatch::new(settings.watch.clone(), registry);
         Self {
             settings,
+            watch,
             series: Mutex::new(HashMap::new()),
             verdicts,
             predicted,
@@ -388,11 +412,19 @@ impl OutcomeBook {
         &self.settings
     }
 
-    /// Counts a batch of outcomes.
+    /// The accuracy watch fed by [`OutcomeBook::record`].
+    pub fn watch(&self) -> &AccuracyWatch {
+        &self.watch
+    }
+
+    /// Counts a batch of outcomes (its first `max_batch`).
     pub fn record(&self, outcomes: &[Outcome]) -> RecordReport {
         let mut report = RecordReport::default();
+        let kept = outcomes.len().min(self.settings.max_batch);
+        report.cut = (outcomes.len() - kept) as u64;
+        let mut watched = Vec::new();
         let mut series = self.series.lock();
-        for outcome in outcomes {
+        for outcome in &outcomes[..kept] {
             let max = self.settings.max_id_bytes;
             if outcome.tenant_id.len() > max
                 || outcome.model_id.len() > max
@@ -415,11 +447,24 @@ impl OutcomeBook {
                 report.folded += 1;
             } else {
                 report.counted += 1;
+                if key.mode == Mode::Routed && outcome.predicted_tokens > 0 {
+                    watched.push((
+                        WatchKey {
+                            tenant: key.tenant.clone(),
+                            model: key.model.clone(),
+                            replica: key.replica.clone(),
+                        },
+                        outcome.predicted_tokens,
+                        outcome.cached_tokens,
+                    ));
+                }
             }
             let tally = series.entry(key.clone()).or_default();
             let verdict = tally.add(outcome.predicted_tokens, outcome.cached_tokens);
             self.export(&key, verdict, outcome);
         }
+        drop(series);
+        self.watch.observe(watched);
         report
     }
 
@@ -533,7 +578,8 @@ mod tests {
             RecordReport {
                 counted: 5,
                 folded: 0,
-                refused: 0
+                refused: 0,
+                cut: 0,
             }
         );
         let rows = book.rows("t", "m");
@@ -612,6 +658,56 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_report_past_max_batch_is_cut_and_only_routed_predictions_are_watched() {
+        let mut registry = Registry::with_prefix("inferencecache");
+        let settings = OutcomeSettings {
+            max_series: 3,
+            max_batch: 6,
+            watch: WatchSettings {
+                min_samples: 1,
+                ..WatchSettings::default()
+            },
+            ..OutcomeSettings::default()
+        };
+        let book = OutcomeBook::new(settings, &mut registry);
+        let mut shadow = outcome("a", 64, 0, false);
+        shadow.shadow = true;
+        let report = book.record(&[
+            outcome("a", 64, 0, true),
+            outcome("a", 0, 0, false),
+            shadow,
+            // Past max_series: folded, not watched.
+            outcome("b", 64, 0, true),
+            outcome("a", 64, 0, true),
+            outcome("a", 64, 64, true),
+            // Past max_batch.
+            outcome("a", 64, 0, true),
+            outcome("a", 64, 0, true),
+        ]);
+        assert_eq!(
+            report,
+            RecordReport {
+                counted: 5,
+                folded: 1,
+                refused: 0,
+                cut: 2,
+            }
+        );
+        book.watch().check(None);
+        let watch = book.watch().report();
+        assert_eq!(watch.watched.len(), 1, "{watch:?}");
+        assert_eq!(watch.watched[0].replica_id, "a");
+        assert_eq!(
+            (
+                watch.watched[0].window.hinted,
+                watch.watched[0].window.hinted_miss
+            ),
+            (3, 2)
+        );
+        assert_eq!(watch.alerts.len(), 1, "{watch:?}");
     }
 
     #[test]

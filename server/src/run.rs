@@ -111,7 +111,12 @@ async fn drain_deadline(stop: CancellationToken, drain: Duration) {
 
 /// Binds the listeners and starts serving in the background.
 pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
-    let mut metrics = Metrics::new();
+    config
+        .outcomes
+        .watch
+        .validate()
+        .map_err(anyhow::Error::msg)?;
+    let mut metrics = Metrics::with_outcomes(config.outcomes.clone());
     let mut index_settings = config.index.clone();
     let replay_clock = config.replication.as_ref().map(|_| {
         let clock = Arc::new(ReplayClock::new(Arc::clone(&config.index.clock.0)));
@@ -225,8 +230,10 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<RunningServer> {
         Arc::clone(&prompts),
         Arc::clone(&index),
         Arc::clone(&metrics),
+        config.outcomes.watch.canary_interval,
         stop_accepting.clone(),
     );
+    crate::accuracy_watch::spawn(Arc::clone(&metrics), stop_accepting.clone());
     prompts.spawn_background(stop_accepting.clone());
     auth.spawn_background(stop_accepting.clone());
     metrics.server_up.set(1);

@@ -8,6 +8,7 @@
 mod contract_support;
 mod nats_support;
 
+mod accuracy_watch;
 mod chat_requests;
 mod cli;
 mod configmap_reload;
