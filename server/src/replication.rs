@@ -8,9 +8,15 @@
 //! index from the stream before `/readyz` answers 200.
 //!
 //! Wire form (language-neutral): subject `<prefix>.update.<origin>` carries a
-//! protobuf `CacheStateUpdate`, `<prefix>.event.<origin>` a `CacheEvent`;
+//! protobuf `CacheStateUpdate`, `<prefix>.event.<origin>` a `CacheEvent`, and
+//! `<prefix>.batch.<origin>` several of them in the order they were accepted,
+//! as the protobuf message `LogBatch { repeated LogRecord records = 1; }`,
+//! `LogRecord { oneof record { CacheStateUpdate update = 1; CacheEvent event = 2; } }`.
 //! `<origin>` is the appending server's instance id, random per process.
-//! `Nats-Msg-Id` is `<origin>-<n>` so a retried append is stored once.
+//! `Nats-Msg-Id` is `<origin>-<n>` (`n` counts the messages of the origin) so
+//! a retried message is stored once. A server writes one append as a single
+//! message and several appends that are queued together as one batch of at
+//! most [`MAX_BATCH_BYTES`]; it reads all three forms.
 //!
 //! Apply-once rule: the receiving server applies its own writes locally
 //! (read-your-writes, and writes keep working while NATS is down) and skips
@@ -18,14 +24,20 @@
 //!
 //! Concurrency: ingest calls [`LogSink::append`], a non-blocking `try_send`
 //! into a bounded queue (`--nats-buffer`); a full queue drops the append and
-//! counts it. One publisher task drains the queue with up to
-//! `--nats-max-in-flight` unacknowledged publishes and retries a failed one
-//! with the same message id. One consumer task applies the stream in order;
+//! counts it. One publisher task drains the queue — everything queued at
+//! that moment goes into one message, so under load the per-message costs
+//! (a publish, an acknowledgement, a stored and delivered message) are paid
+//! once per batch, and an idle server still sends each append at once — with
+//! up to `--nats-max-in-flight` unacknowledged publishes, and retries a failed
+//! one with the same message id. One consumer task applies the stream in order;
 //! while catching up it sets the index clock to each message's publish time so
 //! replayed entries keep their age (see [`ReplayClock`]).
 //!
-//! Cost: one protobuf encode and one queue send per ingest on the hot path;
-//! everything else runs on the two background tasks. docs/scale-out.md has
+//! Cost: one protobuf encode (written straight from the index update into
+//! one buffer, see [`encode_update`]) and one queue send per ingest on the
+//! hot path; everything else runs on the two background tasks. A batch is
+//! framed by copying the encoded appends, and read back record by record
+//! (see [`batch_records`]) without materialising the whole batch. docs/scale-out.md has
 //! the operator's view and the measured numbers.
 
 use std::collections::VecDeque;
@@ -35,18 +47,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use ::bytes::Bytes;
 use async_nats::jetstream::{self, consumer, stream};
-use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::{Future, StreamExt as _};
 use inference_cache_index::{self as index, Clock};
-use inference_cache_proto::v1alpha1::{CacheEvent, CacheStateUpdate, PrefixEntry, ReplicaStats};
+use inference_cache_proto::v1alpha1::{CacheEvent, CacheStateUpdate, ReplicaStats};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use prost::Message as _;
+use prost::encoding::{
+    WireType, bytes as pb_bytes, decode_key, decode_varint, encode_key, encode_varint,
+    encoded_len_varint, int32, int64, key_len, message, string,
+};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -74,6 +90,22 @@ pub const DEFAULT_ACK_TIMEOUT: &str = "5s";
 
 /// How long the publisher and consumer wait before retrying after an error, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Encoded size of a batch message at most (a single append larger than
+/// this is sent alone); well under NATS's default 1 MiB `max_payload`.
+pub const MAX_BATCH_BYTES: usize = 256 * 1024;
+
+/// A decoded log record.
+enum Record {
+    Update(CacheStateUpdate),
+    Event(CacheEvent),
+}
+
+/// Wire-format tags of a batch: `LogBatch.records` and, inside a
+/// `LogRecord`, `update` and `event`.
+const BATCH_RECORDS_TAG: u32 = 1;
+const RECORD_UPDATE_TAG: u32 = 1;
+const RECORD_EVENT_TAG: u32 = 2;
 
 /// Flags of the shared event log, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -110,7 +142,7 @@ pub struct ReplicationArgs {
     #[arg(long, default_value_t = DEFAULT_BUFFER, value_parser = clap::value_parser!(u64).range(1..), env = "INFERENCE_CACHE_NATS_BUFFER")]
     pub nats_buffer: u64,
 
-    /// Appends published and not yet acknowledged by JetStream; past it the publisher waits (counted as replication_publish_window_full_total).
+    /// Log messages (one append, or a batch of queued appends) published and not yet acknowledged by JetStream; past it the publisher waits (counted as replication_publish_window_full_total).
     #[arg(long, default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(u64).range(1..), env = "INFERENCE_CACHE_NATS_MAX_IN_FLIGHT")]
     pub nats_max_in_flight: u64,
 
@@ -209,6 +241,9 @@ struct ReplicationMetrics {
     publish_failures: Counter,
     window_full: Counter,
     applied: Family<KindLabel, Counter>,
+    /// `applied{kind="update"}` and `{kind="event"}`, looked up once.
+    applied_update: Counter,
+    applied_event: Counter,
     skipped_own: Counter,
     decode_errors: Counter,
     consumer_restarts: Counter,
@@ -244,12 +279,12 @@ impl ReplicationMetrics {
         );
         r.register(
             "published",
-            "Appends acknowledged by JetStream",
+            "Appends acknowledged by JetStream (a batch message counts its appends)",
             m.published.clone(),
         );
         r.register(
             "publish_failures",
-            "Publishes not acknowledged in --nats-ack-timeout or refused; each is retried with its message id",
+            "Publishes (single or batch messages) not acknowledged in --nats-ack-timeout or refused; each is retried with its message id",
             m.publish_failures.clone(),
         );
         r.register(
@@ -259,7 +294,7 @@ impl ReplicationMetrics {
         );
         r.register(
             "applied",
-            "Log messages of other servers applied to the index, by kind (update, event)",
+            "Updates and events of other servers applied from the log, by kind (update, event; each record of a batch counts)",
             m.applied.clone(),
         );
         r.register(
@@ -269,7 +304,7 @@ impl ReplicationMetrics {
         );
         r.register(
             "decode_errors",
-            "Log messages that were not a valid CacheStateUpdate / CacheEvent on a known subject",
+            "Log messages (or records of a batch) that were not a valid CacheStateUpdate / CacheEvent / LogBatch on a known subject",
             m.decode_errors.clone(),
         );
         r.register(
@@ -307,17 +342,25 @@ impl ReplicationMetrics {
                 reason: reason.to_owned(),
             });
         }
-        for kind in [KIND_UPDATE, KIND_EVENT] {
-            let _ = m.applied.get_or_create(&KindLabel {
-                kind: kind.to_owned(),
-            });
+        let applied = |kind: &str| {
+            m.applied
+                .get_or_create(&KindLabel {
+                    kind: kind.to_owned(),
+                })
+                .clone()
+        };
+        let (applied_update, applied_event) = (applied(KIND_UPDATE), applied(KIND_EVENT));
+        Self {
+            applied_update,
+            applied_event,
+            ..m
         }
-        m
     }
 }
 
 const KIND_UPDATE: &str = "update";
 const KIND_EVENT: &str = "event";
+const KIND_BATCH: &str = "batch";
 
 /// The index clock while replicating: the wall clock, or, while the log is
 /// replayed at start-up, the publish time of the message being applied, so
@@ -358,11 +401,78 @@ impl Clock for ReplayClock {
     }
 }
 
-/// One append waiting for the publisher.
+/// One append waiting for the publisher, already encoded (on the ingest
+/// path: one buffer, no copy of the update's hashes).
 #[derive(Debug)]
-enum LogEntry {
-    Update(CacheStateUpdate),
-    Event(CacheEvent),
+struct LogEntry {
+    /// `KIND_UPDATE` (a `CacheStateUpdate`) or `KIND_EVENT` (a `CacheEvent`).
+    kind: &'static str,
+    payload: Vec<u8>,
+}
+
+impl LogEntry {
+    fn record_tag(&self) -> u32 {
+        if self.kind == KIND_EVENT {
+            RECORD_EVENT_TAG
+        } else {
+            RECORD_UPDATE_TAG
+        }
+    }
+
+    /// Size of the `LogRecord` it becomes in a batch.
+    fn record_len(&self) -> usize {
+        key_len(self.record_tag())
+            + encoded_len_varint(self.payload.len() as u64)
+            + self.payload.len()
+    }
+
+    /// Encoded size as a record of a batch (the record's own tag and length
+    /// prefix included).
+    fn batch_len(&self) -> usize {
+        let record = self.record_len();
+        key_len(BATCH_RECORDS_TAG) + encoded_len_varint(record as u64) + record
+    }
+
+    /// Appends it to `buf` as one `LogBatch.records` entry.
+    fn encode_record(&self, buf: &mut Vec<u8>) {
+        encode_key(BATCH_RECORDS_TAG, WireType::LengthDelimited, buf);
+        encode_varint(self.record_len() as u64, buf);
+        encode_key(self.record_tag(), WireType::LengthDelimited, buf);
+        encode_varint(self.payload.len() as u64, buf);
+        buf.extend_from_slice(&self.payload);
+    }
+}
+
+/// The records of a batch message, in order: (kind, encoded message); an
+/// item is `None` where the batch does not parse (the rest is then skipped).
+fn batch_records(mut buf: &[u8]) -> impl Iterator<Item = Option<(&'static str, &[u8])>> {
+    fn field<'a>(buf: &mut &'a [u8]) -> Option<(u32, &'a [u8])> {
+        let (tag, wire_type) = decode_key(buf).ok()?;
+        if wire_type != WireType::LengthDelimited {
+            return None;
+        }
+        let len = usize::try_from(decode_varint(buf).ok()?).ok()?;
+        let value = buf.get(..len)?;
+        *buf = &buf[len..];
+        Some((tag, value))
+    }
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed || buf.is_empty() {
+            return None;
+        }
+        let record = field(&mut buf).and_then(|(tag, mut record)| {
+            let (kind, value) = field(&mut record)?;
+            let kind = match (tag, kind) {
+                (BATCH_RECORDS_TAG, RECORD_UPDATE_TAG) => KIND_UPDATE,
+                (BATCH_RECORDS_TAG, RECORD_EVENT_TAG) => KIND_EVENT,
+                _ => return None,
+            };
+            record.is_empty().then_some((kind, value))
+        });
+        failed = record.is_none();
+        Some(record)
+    })
 }
 
 /// The append side, held by the index runtime: never blocks, never fails the caller.
@@ -374,12 +484,18 @@ pub struct LogSink {
 impl LogSink {
     /// Queues an accepted update (after limits).
     pub fn append_update(&self, update: &index::CacheUpdate) {
-        self.append(LogEntry::Update(wire_update(update)));
+        self.append(LogEntry {
+            kind: KIND_UPDATE,
+            payload: encode_update(update, crate::streams::now_us()),
+        });
     }
 
     /// Queues an accepted event.
     pub fn append_event(&self, event: &index::CacheEvent) {
-        self.append(LogEntry::Event(crate::streams::wire_event(event)));
+        self.append(LogEntry {
+            kind: KIND_EVENT,
+            payload: crate::streams::wire_event(event).encode_to_vec(),
+        });
     }
 
     fn append(&self, entry: LogEntry) {
@@ -395,8 +511,108 @@ impl LogSink {
     }
 }
 
+/// The index update as the wire message the log carries, stamped
+/// `timestamp_us`: the bytes `wire_update(update).encode_to_vec()` gives,
+/// written without building the message (which would copy every hash).
+fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
+    let strings = |buf: &mut Vec<u8>, fields: &[(u32, &String)]| {
+        for (tag, value) in fields {
+            if !value.is_empty() {
+                string::encode(*tag, value, buf);
+            }
+        }
+    };
+    let stats = update.stats.as_ref().map(wire_stats);
+    let prefixes: Vec<usize> = update.prefixes.iter().map(prefix_len).collect();
+    let mut buf = Vec::with_capacity(
+        128 + update.replica_id.len()
+            + update.model_id.len()
+            + update.tenant_id.len()
+            + update.hash_scheme.len()
+            + update.adapter_id.len()
+            + prefixes.iter().map(|len| len + 6).sum::<usize>()
+            + stats.as_ref().map_or(0, |s| s.encoded_len() + 6),
+    );
+    strings(
+        &mut buf,
+        &[
+            (1, &update.replica_id),
+            (2, &update.model_id),
+            (3, &update.tenant_id),
+            (4, &update.hash_scheme),
+        ],
+    );
+    if timestamp_us != 0 {
+        int64::encode(5, &timestamp_us, &mut buf);
+    }
+    for (p, len) in update.prefixes.iter().zip(prefixes) {
+        encode_key(6, WireType::LengthDelimited, &mut buf);
+        encode_varint(len as u64, &mut buf);
+        if !p.prefix_hash.is_empty() {
+            pb_bytes::encode(1, &p.prefix_hash, &mut buf);
+        }
+        if p.token_count != 0 {
+            int32::encode(2, &p.token_count, &mut buf);
+        }
+        pb_bytes::encode_repeated(3, &p.block_hashes, &mut buf);
+        int32::encode_packed(4, &p.block_token_counts, &mut buf);
+        let tier = p.tier as i32;
+        if tier != 0 {
+            int32::encode(5, &tier, &mut buf);
+        }
+        strings(&mut buf, &[(6, &p.adapter_id)]);
+    }
+    if let Some(stats) = &stats {
+        message::encode(7, stats, &mut buf);
+    }
+    strings(&mut buf, &[(8, &update.adapter_id)]);
+    buf
+}
+
+/// Encoded size of a `PrefixEntry` (without its tag and length).
+fn prefix_len(p: &index::PrefixReport) -> usize {
+    let tier = p.tier as i32;
+    (if p.prefix_hash.is_empty() {
+        0
+    } else {
+        pb_bytes::encoded_len(1, &p.prefix_hash)
+    }) + (if p.token_count == 0 {
+        0
+    } else {
+        int32::encoded_len(2, &p.token_count)
+    }) + pb_bytes::encoded_len_repeated(3, &p.block_hashes)
+        + int32::encoded_len_packed(4, &p.block_token_counts)
+        + (if tier == 0 {
+            0
+        } else {
+            int32::encoded_len(5, &tier)
+        })
+        + (if p.adapter_id.is_empty() {
+            0
+        } else {
+            string::encoded_len(6, &p.adapter_id)
+        })
+}
+
+fn wire_stats(s: &index::ReplicaStatsReport) -> ReplicaStats {
+    ReplicaStats {
+        replica_id: s.replica_id.clone(),
+        cache_memory_bytes: s.cache_memory_bytes,
+        hit_rate: s.hit_rate,
+        pressure: s.pressure,
+        client_version: s.client_version.clone(),
+        t2_hit_tokens: s.t2_hit_tokens,
+        t2_query_tokens: s.t2_query_tokens,
+        requests_waiting: s.requests_waiting,
+        requests_running: s.requests_running,
+        kv_cache_usage: s.kv_cache_usage,
+    }
+}
+
 /// The index update as the wire message the log carries, stamped now.
+#[cfg(test)]
 fn wire_update(update: &index::CacheUpdate) -> CacheStateUpdate {
+    use inference_cache_proto::v1alpha1::PrefixEntry;
     CacheStateUpdate {
         replica_id: update.replica_id.clone(),
         model_id: update.model_id.clone(),
@@ -415,18 +631,7 @@ fn wire_update(update: &index::CacheUpdate) -> CacheStateUpdate {
                 adapter_id: p.adapter_id.clone(),
             })
             .collect(),
-        stats: update.stats.as_ref().map(|s| ReplicaStats {
-            replica_id: s.replica_id.clone(),
-            cache_memory_bytes: s.cache_memory_bytes,
-            hit_rate: s.hit_rate,
-            pressure: s.pressure,
-            client_version: s.client_version.clone(),
-            t2_hit_tokens: s.t2_hit_tokens,
-            t2_query_tokens: s.t2_query_tokens,
-            requests_waiting: s.requests_waiting,
-            requests_running: s.requests_running,
-            kv_cache_usage: s.kv_cache_usage,
-        }),
+        stats: update.stats.as_ref().map(wire_stats),
         adapter_id: update.adapter_id.clone(),
     }
 }
@@ -556,12 +761,37 @@ fn instance_id() -> String {
 
 type AckFuture = Pin<Box<dyn Future<Output = (Outgoing, bool)> + Send>>;
 
-/// An encoded append.
+/// An encoded log message: one append, or a batch of them.
 #[derive(Clone)]
 struct Outgoing {
     subject: String,
     msg_id: String,
     payload: Bytes,
+    /// Appends it carries.
+    records: u64,
+}
+
+/// The appends of the next message: `first` and whatever is queued behind
+/// it, up to [`MAX_BATCH_BYTES`]; the append that would overflow that waits
+/// in `held` for the message after.
+fn gather(
+    first: LogEntry,
+    rx: &mut mpsc::Receiver<LogEntry>,
+    held: &mut Option<LogEntry>,
+) -> Vec<LogEntry> {
+    let mut size = first.batch_len();
+    let mut batch = vec![first];
+    while size < MAX_BATCH_BYTES {
+        let Ok(next) = rx.try_recv() else { break };
+        let len = next.batch_len();
+        if size + len > MAX_BATCH_BYTES {
+            *held = Some(next);
+            break;
+        }
+        size += len;
+        batch.push(next);
+    }
+    batch
 }
 
 struct Log {
@@ -572,15 +802,25 @@ struct Log {
 }
 
 impl Log {
-    fn encode(&self, entry: LogEntry, n: u64) -> Outgoing {
-        let (kind, payload) = match entry {
-            LogEntry::Update(u) => (KIND_UPDATE, u.encode_to_vec()),
-            LogEntry::Event(e) => (KIND_EVENT, e.encode_to_vec()),
+    /// One append as its own message; several as a batch.
+    fn encode(&self, mut batch: Vec<LogEntry>, n: u64) -> Outgoing {
+        let records = batch.len() as u64;
+        let (kind, payload) = match (batch.pop(), batch.is_empty()) {
+            (Some(one), true) => (one.kind, one.payload),
+            (last, _) => {
+                batch.extend(last);
+                let mut payload = Vec::with_capacity(batch.iter().map(LogEntry::batch_len).sum());
+                for entry in &batch {
+                    entry.encode_record(&mut payload);
+                }
+                (KIND_BATCH, payload)
+            }
         };
         Outgoing {
             subject: format!("{}.{kind}.{}", self.settings.subject_prefix, self.origin),
             msg_id: format!("{}-{n}", self.origin),
             payload: Bytes::from(payload),
+            records,
         }
     }
 
@@ -611,13 +851,17 @@ impl Log {
         })
     }
 
-    /// Drains the queue into JetStream: up to `max_in_flight` unacknowledged
+    /// Drains the queue into JetStream, everything queued at once in one
+    /// message (see [`gather`]): up to `max_in_flight` unacknowledged
     /// publishes; a failed one is retried (same message id) after a backoff
     /// that doubles up to [`MAX_BACKOFF`] while failures go on.
     async fn publish_loop(&self, mut rx: mpsc::Receiver<LogEntry>, stop: CancellationToken) {
         let window = self.settings.max_in_flight;
         let mut in_flight: FuturesOrdered<AckFuture> = FuturesOrdered::new();
         let mut retry: VecDeque<Outgoing> = VecDeque::new();
+        let mut held: Option<LogEntry> = None;
+        // Appends in the messages of `in_flight`.
+        let mut unacked: u64 = 0;
         let mut delay = Duration::ZERO;
         let mut waiting = false;
         let mut n: u64 = 0;
@@ -626,8 +870,16 @@ impl Log {
             if !waiting {
                 while in_flight.len() < window {
                     let Some(out) = retry.pop_front() else { break };
+                    unacked += out.records;
                     in_flight.push_back(self.send(out));
                 }
+            }
+            while retry.is_empty() && in_flight.len() < window {
+                let Some(first) = held.take() else { break };
+                n += 1;
+                let out = self.encode(gather(first, &mut rx, &mut held), n);
+                unacked += out.records;
+                in_flight.push_back(self.send(out));
             }
             let take_new = retry.is_empty() && in_flight.len() < window;
             if retry.is_empty() && in_flight.len() >= window {
@@ -636,12 +888,13 @@ impl Log {
             tokio::select! {
                 biased;
                 () = stop.cancelled() => {
-                    self.flush(rx, in_flight, retry, n).await;
+                    self.flush(rx, (in_flight, unacked), retry, held, n).await;
                     break;
                 }
                 Some((out, ok)) = in_flight.next(), if !in_flight.is_empty() => {
+                    unacked -= out.records;
                     if ok {
-                        self.metrics.published.inc();
+                        self.metrics.published.inc_by(out.records);
                         delay = Duration::ZERO;
                     } else {
                         self.metrics.publish_failures.inc();
@@ -654,9 +907,10 @@ impl Log {
                     waiting = false;
                 }
                 entry = rx.recv(), if take_new => {
-                    let Some(entry) = entry else { break };
+                    let Some(first) = entry else { break };
                     n += 1;
-                    let out = self.encode(entry, n);
+                    let out = self.encode(gather(first, &mut rx, &mut held), n);
+                    unacked += out.records;
                     in_flight.push_back(self.send(out));
                 }
             }
@@ -669,32 +923,37 @@ impl Log {
     async fn flush(
         &self,
         mut rx: mpsc::Receiver<LogEntry>,
-        mut in_flight: FuturesOrdered<AckFuture>,
+        (mut in_flight, mut unacked): (FuturesOrdered<AckFuture>, u64),
         retry: VecDeque<Outgoing>,
+        mut held: Option<LogEntry>,
         mut n: u64,
     ) {
         rx.close();
         for out in retry {
+            unacked += out.records;
             in_flight.push_back(self.send(out));
         }
-        while let Ok(entry) = rx.try_recv() {
+        while let Some(first) = held.take().or_else(|| rx.try_recv().ok()) {
             n += 1;
-            in_flight.push_back(self.send(self.encode(entry, n)));
+            let out = self.encode(gather(first, &mut rx, &mut held), n);
+            unacked += out.records;
+            in_flight.push_back(self.send(out));
         }
-        let pending = in_flight.len();
+        let pending = unacked;
         let drained = tokio::time::timeout(self.settings.ack_timeout, async {
-            while let Some((_, ok)) = in_flight.next().await {
+            while let Some((out, ok)) = in_flight.next().await {
+                unacked -= out.records;
                 if ok {
-                    self.metrics.published.inc();
+                    self.metrics.published.inc_by(out.records);
                 } else {
                     self.metrics.publish_failures.inc();
-                    self.metrics.drop("stopped", 1);
+                    self.metrics.drop("stopped", out.records);
                 }
             }
         })
         .await;
         if drained.is_err() {
-            let lost = in_flight.len() as u64;
+            let lost = unacked;
             self.metrics.drop("stopped", lost);
             tracing::warn!(
                 lost,
@@ -846,27 +1105,48 @@ impl Log {
             self.metrics.skipped_own.inc();
             return;
         }
-        let applied = match kind {
-            KIND_UPDATE => CacheStateUpdate::decode(payload)
-                .map(|u| state.apply_replicated_update(&crate::grpc::cache_update(u)))
-                .is_ok(),
-            KIND_EVENT => CacheEvent::decode(payload)
-                .ok()
-                .and_then(|e| crate::streams::index_event(&e))
-                .map(|e| state.apply_replicated_event(&e))
-                .is_some(),
-            _ => false,
-        };
-        if applied {
-            self.metrics
-                .applied
-                .get_or_create(&KindLabel {
-                    kind: kind.to_owned(),
-                })
-                .inc();
+        if kind == KIND_BATCH {
+            for record in batch_records(payload) {
+                match record {
+                    Some((kind, message)) => self.apply_one(state, kind, message),
+                    None => {
+                        self.metrics.decode_errors.inc();
+                    }
+                }
+            }
         } else {
-            self.metrics.decode_errors.inc();
+            self.apply_one(state, kind, payload);
         }
+    }
+
+    /// Applies one encoded update or event of another server.
+    fn apply_one(&self, state: &IndexState, kind: &str, message: &[u8]) {
+        let record = match kind {
+            KIND_UPDATE => CacheStateUpdate::decode(message).ok().map(Record::Update),
+            KIND_EVENT => CacheEvent::decode(message).ok().map(Record::Event),
+            _ => None,
+        };
+        self.apply_record(state, record);
+    }
+
+    /// Applies one decoded update or event of another server (`None`: one
+    /// that did not decode).
+    fn apply_record(&self, state: &IndexState, record: Option<Record>) {
+        let applied = match record {
+            Some(Record::Update(u)) => {
+                state.apply_replicated_update(&crate::grpc::cache_update(u));
+                &self.metrics.applied_update
+            }
+            Some(Record::Event(e)) => match crate::streams::index_event(&e) {
+                Some(e) => {
+                    state.apply_replicated_event(&e);
+                    &self.metrics.applied_event
+                }
+                None => &self.metrics.decode_errors,
+            },
+            None => &self.metrics.decode_errors,
+        };
+        applied.inc();
     }
 }
 
@@ -874,6 +1154,7 @@ impl Log {
 mod tests {
     use super::*;
     use inference_cache_index::ManualClock;
+    use inference_cache_proto::v1alpha1::PrefixEntry;
 
     #[test]
     fn replay_clock_follows_message_time_then_the_wall_clock() {
@@ -919,6 +1200,160 @@ mod tests {
         let bytes = wire.encode_to_vec();
         let back = crate::grpc::cache_update(CacheStateUpdate::decode(&bytes[..]).expect("decode"));
         assert_eq!(back, update);
+    }
+
+    /// The batch form, as protobuf messages (the server writes and reads it
+    /// without them).
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct LogBatch {
+        #[prost(message, repeated, tag = "1")]
+        records: Vec<LogRecord>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct LogRecord {
+        #[prost(oneof = "WireRecord", tags = "1, 2")]
+        record: Option<WireRecord>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Oneof)]
+    enum WireRecord {
+        #[prost(message, tag = "1")]
+        Update(CacheStateUpdate),
+        #[prost(message, tag = "2")]
+        Event(CacheEvent),
+    }
+
+    fn wire(id: u8, blocks: usize) -> CacheStateUpdate {
+        CacheStateUpdate {
+            replica_id: format!("r{id:03}"),
+            timestamp_us: 7,
+            prefixes: vec![PrefixEntry {
+                block_hashes: vec![vec![id; 8]; blocks],
+                block_token_counts: vec![16; blocks],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn entry(id: u8, blocks: usize) -> LogEntry {
+        LogEntry {
+            kind: KIND_UPDATE,
+            payload: wire(id, blocks).encode_to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_direct_encoding_is_the_messages_encoding() {
+        let mut update = index::CacheUpdate {
+            replica_id: "r".into(),
+            model_id: "m".into(),
+            tenant_id: "t".into(),
+            hash_scheme: "vllm".into(),
+            adapter_id: "lora".into(),
+            prefixes: vec![
+                index::PrefixReport {
+                    prefix_hash: vec![1; 8],
+                    token_count: 32,
+                    block_hashes: vec![vec![2; 8], vec![3; 8], Vec::new()],
+                    block_token_counts: vec![16, -16, 0],
+                    tier: index::Tier::T2,
+                    adapter_id: "a".into(),
+                },
+                index::PrefixReport {
+                    block_hashes: vec![vec![4; 300]],
+                    ..Default::default()
+                },
+            ],
+            stats: Some(index::ReplicaStatsReport {
+                replica_id: "r".into(),
+                pressure: 0.5,
+                requests_waiting: 3,
+                ..Default::default()
+            }),
+        };
+        let expected = |u: &index::CacheUpdate| {
+            let mut wire = wire_update(u);
+            wire.timestamp_us = 1_234;
+            wire.encode_to_vec()
+        };
+        assert_eq!(encode_update(&update, 1_234), expected(&update));
+        update.stats = None;
+        update.prefixes.clear();
+        update.adapter_id.clear();
+        assert_eq!(encode_update(&update, 1_234), expected(&update));
+    }
+
+    #[test]
+    fn a_batch_is_a_log_batch_of_the_queued_appends_in_order() {
+        let event = CacheEvent {
+            replica_id: "r2".into(),
+            ..Default::default()
+        };
+        let entries = [
+            entry(1, 4),
+            LogEntry {
+                kind: KIND_EVENT,
+                payload: event.encode_to_vec(),
+            },
+            entry(3, 200),
+        ];
+        let mut payload = Vec::new();
+        for e in &entries {
+            e.encode_record(&mut payload);
+        }
+        assert_eq!(
+            payload.len(),
+            entries.iter().map(LogEntry::batch_len).sum::<usize>()
+        );
+        // Any protobuf reader sees a LogBatch.
+        let batch = LogBatch::decode(&payload[..]).expect("decode");
+        let expected = vec![
+            LogRecord {
+                record: Some(WireRecord::Update(wire(1, 4))),
+            },
+            LogRecord {
+                record: Some(WireRecord::Event(event)),
+            },
+            LogRecord {
+                record: Some(WireRecord::Update(wire(3, 200))),
+            },
+        ];
+        assert_eq!(batch.records, expected);
+        // And the server's reader gives back each record as it was queued.
+        let read: Vec<_> = batch_records(&payload).collect();
+        assert_eq!(read.len(), 3);
+        for (record, entry) in read.iter().zip(&entries) {
+            assert_eq!(*record, Some((entry.kind, &entry.payload[..])));
+        }
+        // A cut batch yields what parses, then one failure, then nothing.
+        let cut: Vec<_> = batch_records(&payload[..payload.len() - 1]).collect();
+        assert_eq!(cut.len(), 3);
+        assert!(cut[0].is_some() && cut[1].is_some() && cut[2].is_none());
+    }
+
+    #[tokio::test]
+    async fn gather_takes_what_is_queued_up_to_the_size_limit() {
+        let (tx, mut rx) = mpsc::channel(1024);
+        let one = entry(0, 64).batch_len();
+        let fit = MAX_BATCH_BYTES / one;
+        for i in 0..fit + 10 {
+            tx.try_send(entry((i % 200) as u8, 64)).expect("queued");
+        }
+        let mut held = None;
+        let first = rx.recv().await.expect("first");
+        let batch = gather(first, &mut rx, &mut held);
+        assert_eq!(batch.len(), fit);
+        assert!(held.is_some(), "the append that did not fit waits");
+        let first = held.take().expect("held");
+        let rest = gather(first, &mut rx, &mut held);
+        assert_eq!(rest.len(), 10);
+        assert!(held.is_none());
+        // One append alone when nothing else is queued.
+        tx.try_send(entry(1, 2)).expect("queued");
+        let first = rx.recv().await.expect("first");
+        assert_eq!(gather(first, &mut rx, &mut held).len(), 1);
     }
 
     #[test]

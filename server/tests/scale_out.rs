@@ -147,6 +147,77 @@ async fn three_servers_on_one_stream_answer_each_others_writes() {
 }
 
 #[tokio::test]
+async fn a_burst_goes_out_in_batches_and_arrives_whole_and_in_order() {
+    let nats = Nats::launch().await;
+    let mut reader = server(settings(&nats)).await;
+    wait_ready(&reader).await;
+    // One publish in flight at a time: what queues behind it leaves as one
+    // batch message.
+    let mut writer = server(ReplicationSettings {
+        max_in_flight: 1,
+        ..settings(&nats)
+    })
+    .await;
+    wait_ready(&writer).await;
+    let chains: Vec<Vec<Vec<u8>>> = (0..2_000u64).map(|i| chain(i * 10..i * 10 + 3)).collect();
+    let replica = |i: usize| format!("10.0.3.{}:8000", i % 2);
+    writer
+        .report(
+            chains
+                .iter()
+                .enumerate()
+                .map(|(i, blocks)| update(&replica(i), vec![chain_entry(blocks, 64)]))
+                .collect(),
+        )
+        .await;
+    // After the updates in the log: replica 0 cleared everything.
+    writer
+        .event(event(Type::AllCleared, &replica(0), Vec::new(), ""))
+        .await;
+    let applied = |kind: &'static str| {
+        let reader = &reader;
+        async move {
+            reader
+                .metric(&format!(
+                    "inferencecache_replication_applied_total{{kind=\"{kind}\"}}"
+                ))
+                .await
+                .unwrap_or(0.0)
+        }
+    };
+    let deadline = Instant::now() + CONVERGE;
+    while applied("event").await < 1.0 {
+        assert!(Instant::now() < deadline, "the event never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(applied("update").await, 2_000.0);
+    for (i, blocks) in chains.iter().enumerate() {
+        let r = reader.lookup(chain_lookup(blocks)).await;
+        if i % 2 == 0 {
+            assert_ne!(r.reason_code, "PREFIX_MATCH", "chain {i}: {r:?}");
+        } else {
+            assert_eq!(ids(&r), [replica(i).as_str()], "chain {i}");
+        }
+    }
+    let published = writer
+        .metric("inferencecache_replication_published_total")
+        .await
+        .expect("metric");
+    assert_eq!(
+        published, 2_001.0,
+        "every append acknowledged, counted once"
+    );
+    assert_eq!(
+        reader
+            .metric("inferencecache_replication_decode_errors_total")
+            .await,
+        Some(0.0)
+    );
+    writer.stop().await;
+    reader.stop().await;
+}
+
+#[tokio::test]
 async fn a_stopping_server_publishes_what_it_still_had_queued() {
     let nats = Nats::launch().await;
     let mut observer = server(settings(&nats)).await;
