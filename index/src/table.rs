@@ -146,12 +146,20 @@ impl KeyTable {
         }
     }
 
-    /// A table with room for twice the live keys (at least `min_live`),
+    /// A table with room for twice the live keys (at least `min_live`) and
+    /// at most twice as many slots,
     /// holding the same entries; `home` recomputes a slot's home hash from
     /// its location.
     pub fn rebuilt(&self, min_live: usize, home: impl Fn(u32) -> Option<u64>) -> Self {
         let live = self.len().max(min_live);
-        let next = Self::with_slots((live + 1) * 2 * 8 / 7 + 1);
+        // Room for twice the live keys under the 7/8 bound, but at most
+        // double the table: rounding that room up to a power of two would
+        // otherwise quadruple a table that filled up (16 bytes per key
+        // instead of 8–16 at 1M keys).
+        let slots = ((live + 1) * 2 * 8 / 7 + 1)
+            .next_power_of_two()
+            .min(self.slots.len() * 2);
+        let next = Self::with_slots(slots);
         for slot in self.slots.iter() {
             let word = slot.0.load(Ordering::Relaxed);
             if word == EMPTY || word == TOMB {
