@@ -701,7 +701,10 @@ impl Writing<'_> {
     }
 
     fn claim_at(&mut self, run: u32, pos: usize, count: u32, claim: Claim, h: &mut Holding) {
-        let Some(body) = self.body(run).cloned() else {
+        // The body is borrowed, not cloned: a reference count changed per
+        // block costs an atomic instruction on the body's line.
+        let w = &mut *self.w;
+        let Some(body) = w.bodies.get(run as usize).and_then(Option::as_ref) else {
             return;
         };
         body.data.set_count(pos, count);
@@ -735,8 +738,8 @@ impl Writing<'_> {
                 .min_by_key(|&r| body.cell(r, pos).last_seen());
             if let Some(r) = victim {
                 body.set(r, pos, Cell::default());
-                self.w.live[run as usize] -= 1;
-                self.w.entries -= 1;
+                w.live[run as usize] -= 1;
+                w.entries -= 1;
                 h.displaced.push(body.replica(r));
                 displaced = true;
             }
@@ -744,10 +747,12 @@ impl Writing<'_> {
         if holders == 0 {
             h.new_keys += 1;
         }
-        let Some((body, row)) = self.ensure_row(run, claim.replica) else {
+        let Some(row) = self.ensure_row(run, claim.replica) else {
             return;
         };
-        body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
+        if let Some(body) = self.body(run) {
+            body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
+        }
         self.w.live[run as usize] += 1;
         self.w.entries += 1;
         h.written += 1;
@@ -760,11 +765,11 @@ impl Writing<'_> {
         }
     }
 
-    /// The body of `run` with a row for `replica`, adding one if needed.
-    fn ensure_row(&mut self, run: u32, replica: ReplicaId) -> Option<(Arc<Body>, usize)> {
-        let body = self.body(run).cloned()?;
+    /// The row of `replica` in `run`'s body, adding one if needed.
+    fn ensure_row(&mut self, run: u32, replica: ReplicaId) -> Option<usize> {
+        let body = self.body(run)?;
         if let Some(row) = body.row(replica) {
-            return Some((body, row));
+            return Some(row);
         }
         let data = &body.data;
         let used = data.used_rows();
@@ -785,12 +790,10 @@ impl Writing<'_> {
                 data: body.data.clone(),
             }
         } else {
-            rebuilt(&body, data.cap(), Some(replica))
+            rebuilt(body, data.cap(), Some(replica))
         };
         self.w.by_replica.entry(replica).or_default().insert(run);
-        let body = self.publish(run, next);
-        let row = body.row(replica)?;
-        Some((body, row))
+        self.publish(run, next).row(replica)
     }
 
     fn add_block(
@@ -810,10 +813,11 @@ impl Writing<'_> {
         });
         let (run, pos) = match tail {
             Some((run, pos)) => {
-                let body = self.body(run).cloned()?;
+                let body = self.body(run)?;
                 if pos + 1 == body.data.cap() {
                     let cap = (body.data.cap() * 2).clamp(pos + 2, RUN_BLOCKS);
-                    self.publish(run, rebuilt(&body, cap, None));
+                    let next = rebuilt(body, cap, None);
+                    self.publish(run, next);
                 }
                 (run, pos + 1)
             }
@@ -832,7 +836,8 @@ impl Writing<'_> {
                 (run, 0)
             }
         };
-        let (body, row) = self.ensure_row(run, claim.replica)?;
+        let row = self.ensure_row(run, claim.replica)?;
+        let body = self.body(run)?;
         let data = &body.data;
         data.set_hash(pos, key.word);
         data.set_count(pos, count);
