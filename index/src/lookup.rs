@@ -36,7 +36,7 @@ use crate::model::{
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
-use crate::store::{Cell, HashRef, Key, Reader};
+use crate::store::{Cell, HashRef, Key, RUN_BLOCKS, Reader};
 
 const INLINE: usize = 16;
 
@@ -780,7 +780,13 @@ fn walk_chain(
             reader.touch(&key);
             key
         });
-        let tokens = &counts[i..i + m];
+        // Tokens of the first k blocks of the stretch, for every k: a
+        // candidate's pass over its cells then only finds where it stops.
+        let mut prefix = [0i64; RUN_BLOCKS + 1];
+        for (k, &t) in counts[i..i + m].iter().enumerate() {
+            prefix[k + 1] = prefix[k] + i64::from(t);
+        }
+        let prefix = &prefix[..=m];
         let mut any = false;
         if i == 0 {
             cands.reserve(body.row_count());
@@ -793,7 +799,7 @@ fn walk_chain(
                     tier: 0,
                     active: true,
                 };
-                extend(&mut c, body.cells(row, pos, pos + m), tokens);
+                extend(&mut c, body.cells(row, pos, pos + m), prefix);
                 if c.blocks > 0 {
                     any |= c.active;
                     cands.push(c);
@@ -809,7 +815,7 @@ fn walk_chain(
                 match body.row_from(c.replica, from) {
                     Some(row) => {
                         from = row + 1;
-                        extend(c, body.cells(row, pos, pos + m), tokens);
+                        extend(c, body.cells(row, pos, pos + m), prefix);
                         any |= c.active;
                     }
                     None => c.active = false,
@@ -827,24 +833,23 @@ fn walk_chain(
     }
 }
 
-/// Extends a candidate's leading run over consecutive cells of its row.
-fn extend(c: &mut Candidate, cells: impl Iterator<Item = Cell>, tokens: &[i32]) {
+/// Extends a candidate's leading run over consecutive cells of its row;
+/// `prefix[k]` is the tokens of the first `k` of them.
+fn extend(c: &mut Candidate, cells: impl Iterator<Item = Cell>, prefix: &[i64]) {
     let mut oldest = c.oldest_seen;
     let mut tier = c.tier;
-    let mut matched = 0i64;
-    let mut blocks = 0u32;
-    for (cell, &n) in cells.zip(tokens) {
+    let mut k = 0;
+    for cell in cells {
         if !cell.held() {
             c.active = false;
             break;
         }
-        matched += i64::from(n);
-        blocks += 1;
         oldest = oldest.min(cell.last_seen());
         tier = tier.max(cell.tier());
+        k += 1;
     }
-    c.matched += matched;
-    c.blocks += blocks;
+    c.matched += prefix[k];
+    c.blocks += k as u32;
     c.oldest_seen = oldest;
     c.tier = tier;
 }
