@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use hashbrown::HashMap;
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
@@ -30,6 +30,29 @@ use crate::store::{Claim, Holding, Key, Removed, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+/// Tries at a write lock before waiting for it (see [`write_between_readers`]).
+const WRITE_TRIES: u32 = 4096;
+
+/// A write lock that lookups also read, taken in the gaps between them: a
+/// writer that waits for the lock in the ordinary way makes every new
+/// reader queue behind it, and on a busy machine the writer may not run
+/// again for a scheduler tick after the last reader wakes it, so one rare
+/// write (a join, a leave, a new name) could hold lookups up for
+/// milliseconds. Trying first lets readers through; after a bounded number
+/// of tries it waits as usual, so a writer is never starved.
+fn write_between_readers<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    for attempt in 0..WRITE_TRIES {
+        if let Some(guard) = lock.try_write() {
+            return guard;
+        }
+        if attempt % 64 == 63 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    lock.write()
+}
 /// Default bound on the replicas one key keeps.
 pub const DEFAULT_MAX_HOLDERS_PER_KEY: usize = 256;
 
@@ -218,7 +241,7 @@ impl CacheIndex {
         if let Some(id) = self.catalog.read().replica(name) {
             return id;
         }
-        self.catalog.write().intern_replica(name)
+        self.catalog_write().intern_replica(name)
     }
 
     /// Interned ids of `names`, interning the ones never seen.
@@ -230,7 +253,7 @@ impl CacheIndex {
                 return known.map(|id| id.unwrap_or_default());
             }
         }
-        let mut catalog = self.catalog.write();
+        let mut catalog = self.catalog_write();
         names.map(|n| catalog.intern_name(n))
     }
 
@@ -242,8 +265,7 @@ impl CacheIndex {
         {
             return id;
         }
-        self.catalog
-            .write()
+        self.catalog_write()
             .intern_partition(tenant, model, scheme, adapter)
     }
 
@@ -471,7 +493,7 @@ impl CacheIndex {
             }
             s
         });
-        let mut fleet = self.fleet.write();
+        let mut fleet = self.fleet_write();
         fleet.heard(replica, now_ms);
         if let Some(stats) = stats {
             fleet.record_stats(target.unwrap_or(replica), stats, now_ms);
@@ -481,11 +503,22 @@ impl CacheIndex {
         }
     }
 
+    /// The fleet's write lock, taken in the gaps between lookups (see
+    /// [`write_between_readers`]).
+    pub(crate) fn fleet_write(&self) -> RwLockWriteGuard<'_, Fleet> {
+        write_between_readers(&self.fleet)
+    }
+
+    /// The catalog's write lock, taken in the gaps between lookups.
+    pub(crate) fn catalog_write(&self) -> RwLockWriteGuard<'_, Catalog> {
+        write_between_readers(&self.catalog)
+    }
+
     /// Remembers that the fleet has members in `(tenant, model)`, so the
     /// names stay interned while it does.
     fn note_joined(&self, pair: [NameId; 2]) {
         if !self.catalog.read().joined(pair) {
-            self.catalog.write().note_joined(pair);
+            self.catalog_write().note_joined(pair);
         }
     }
 
@@ -570,7 +603,7 @@ impl CacheIndex {
                 return;
             }
         }
-        let mut fleet = self.fleet.write();
+        let mut fleet = self.fleet_write();
         let record = fleet.heard(replica, now_ms);
         if let Some([tenant, model]) = pair {
             record.set_heartbeats();
@@ -597,7 +630,7 @@ impl CacheIndex {
             };
             (replica, tenant, model)
         };
-        self.fleet.write().leave(replica, tenant, model);
+        self.fleet_write().leave(replica, tenant, model);
     }
 
     /// Partitions an event addresses: empty tenant/model match all; adapter only if `narrow`.

@@ -115,7 +115,7 @@ impl CacheIndex {
         let policies = self.policies.load();
         let now_ms = self.now_ms();
         let catalog = self.catalog.read();
-        self.fleet.write().expire(now_ms, |tenant| {
+        self.fleet_write().expire(now_ms, |tenant| {
             let timeout = policies
                 .for_tenant(catalog.name_str(tenant))
                 .replica_timeout;
@@ -192,8 +192,8 @@ impl CacheIndex {
         // Lock order: store writer, catalog, fleet (lookups take catalog
         // then fleet, and nothing waits for the writer holding either).
         let w = self.store.write();
-        let mut catalog = self.catalog.write();
-        let mut fleet = self.fleet.write();
+        let mut catalog = self.catalog_write();
+        let mut fleet = self.fleet_write();
         // Records written under an id freed by an earlier sweep (an update
         // that raced it) go, with their memberships.
         let dead: Vec<ReplicaId> = fleet

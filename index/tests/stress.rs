@@ -244,3 +244,96 @@ fn no_hang_no_panic_under_concurrent_lookups_ingest_and_removals() {
         }
     }
 }
+
+/// Writers take the catalog's and the fleet's write locks in the gaps
+/// between lookups (they try before they wait): with lookups running back
+/// to back on several threads, a stream of updates under new names (catalog
+/// writes) and ALL_CLEARED / re-join cycles (fleet writes) still completes,
+/// and lookups keep being answered meanwhile.
+#[test]
+fn writers_are_not_starved_by_lookups_back_to_back() {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let index = Arc::new(CacheIndex::new(Arc::new(SystemClock), 1_000_000));
+        index.set_policies(policy("Contract"));
+        let blocks = chain(1, 64);
+        for r in 0..REPLICAS {
+            index.ingest(&update(
+                r,
+                vec![PrefixReport {
+                    block_hashes: blocks.clone(),
+                    block_token_counts: vec![16; blocks.len()],
+                    ..Default::default()
+                }],
+                None,
+            ));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicU64::new(0));
+        let readers: Vec<_> = (0..4)
+            .map(|_| {
+                let (index, stop, answered, blocks) = (
+                    index.clone(),
+                    stop.clone(),
+                    answered.clone(),
+                    blocks.clone(),
+                );
+                thread::spawn(move || {
+                    let counts = vec![16; blocks.len()];
+                    while !stop.load(Ordering::Relaxed) {
+                        let mut req = LookupRequest::new("t", "m", "vllm");
+                        req.chain = Some(Chain {
+                            hashes: BlockHashes::Bytes(&blocks),
+                            token_counts: &counts,
+                        });
+                        let outcome = index.lookup(&req);
+                        // Every replica holds the chain: a hint, never nothing.
+                        assert!(
+                            matches!(outcome.reason, Reason::PrefixMatch | Reason::AffinityHint),
+                            "{:?}",
+                            outcome.reason
+                        );
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for i in 0..300u64 {
+            // A new tenant and replica name: catalog writes and a join.
+            let mut u = update(
+                100 + i,
+                vec![PrefixReport {
+                    block_hashes: chain(2, 4),
+                    block_token_counts: vec![16; 4],
+                    ..Default::default()
+                }],
+                None,
+            );
+            u.tenant_id = format!("tenant-{i}");
+            index.ingest(&u);
+            // A leave and a re-join of a serving replica: fleet writes.
+            let mut clear = event(EventKind::AllCleared, REPLICAS, Vec::new());
+            clear.tenant_id = String::new();
+            clear.model_id = String::new();
+            index.publish(&clear);
+            index.ingest(&update(
+                REPLICAS,
+                vec![PrefixReport {
+                    block_hashes: chain(3, 4),
+                    block_token_counts: vec![16; 4],
+                    ..Default::default()
+                }],
+                None,
+            ));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join().expect("reader");
+        }
+        let _ = tx.send(answered.load(Ordering::Relaxed));
+    });
+    match rx.recv_timeout(WATCHDOG) {
+        Ok(answered) => assert!(answered > 0, "no lookup completed"),
+        Err(_) => panic!("writers starved or the index hung"),
+    }
+}
