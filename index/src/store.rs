@@ -11,7 +11,10 @@
 //!   then compares the following request hashes with the run's hash array in
 //!   order — one probe per run, not per block — re-probing only where the
 //!   request leaves the run. Holes are exact: a holder that lost a block in
-//!   the middle has a cleared cell there and its match stops at it.
+//!   the middle has a cleared cell there and its match stops at it. A run's
+//!   header, hashes, counts (two per word) and cells are one allocation
+//!   ([`RunData`]), so a reader reaches all of them from the body in one
+//!   step.
 //! - The **key table** ([`KeyTable`]) maps `(partition, hash)` to
 //!   `run << 6 | position`. Hashes of any width are kept; a wide one is
 //!   compared through a 64-bit digest and then in full.
@@ -33,9 +36,10 @@
 //! - **Per-replica run sets** make ALL_CLEARED cost what the replica held,
 //!   and a run whose last cell goes is freed with its keys at once.
 //!
-//! Memory per block: 8 (hash) + 4 (token count) + 8 per holder (cell) + the
-//! key table's 8-byte slot at 7/16–7/8 load, plus a run header shared by the
-//! run's blocks.
+//! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
+//! exactly one or two slots for one or two holders, half again as many
+//! beyond) + the key table's 8-byte slot at 7/16–7/8 load, plus a run
+//! header shared by the run's blocks.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
