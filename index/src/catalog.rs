@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 
 use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 /// Interned id of a tenant, model, scheme or adapter string.
 pub(crate) type NameId = u32;
@@ -165,6 +166,9 @@ pub(crate) struct Catalog {
     replica_list: Vec<Option<Arc<str>>>,
     partition_ids: HashMap<[NameId; 4], PartitionId>,
     pub partitions: Slab<Partition>,
+    /// Partitions of each `(tenant, model)`: an event naming both visits
+    /// only those.
+    by_pair: HashMap<[NameId; 2], SmallVec<[PartitionId; 2]>>,
     scope_ids: HashMap<[NameId; 3], u32>,
     pub scopes: Slab<Scope>,
     tenant_entries: HashMap<NameId, Arc<AtomicI64>>,
@@ -275,6 +279,18 @@ impl Catalog {
         ]
     }
 
+    /// Entries the catalog's maps have room for.
+    #[cfg(test)]
+    pub fn room(&self) -> usize {
+        self.names.capacity()
+            + self.replicas.capacity()
+            + self.partition_ids.capacity()
+            + self.by_pair.capacity()
+            + self.scope_ids.capacity()
+            + self.tenant_entries.capacity()
+            + self.joined.capacity()
+    }
+
     /// Whether `(tenant, model)` is known to have fleet members.
     pub fn joined(&self, pair: [NameId; 2]) -> bool {
         self.joined.contains(&pair)
@@ -322,7 +338,29 @@ impl Catalog {
             tenant_entries,
         });
         self.partition_ids.insert(ids, p);
+        self.by_pair.entry([ids[0], ids[1]]).or_default().push(p);
         p
+    }
+
+    /// Partitions of `(tenant, model)`; `None` matches any. Only a pair
+    /// with both names is a direct lookup; otherwise every partition is
+    /// visited.
+    pub fn partitions_of(
+        &self,
+        tenant: Option<NameId>,
+        model: Option<NameId>,
+    ) -> SmallVec<[PartitionId; 2]> {
+        match (tenant, model) {
+            (Some(t), Some(m)) => self.by_pair.get(&[t, m]).cloned().unwrap_or_default(),
+            _ => self
+                .partitions
+                .with_ids()
+                .filter(|(_, p)| {
+                    tenant.is_none_or(|t| p.tenant == t) && model.is_none_or(|m| p.model == m)
+                })
+                .map(|(id, _)| id)
+                .collect(),
+        }
     }
 
     /// Frees partitions without entries, scopes without partitions or
@@ -338,15 +376,22 @@ impl Catalog {
         let Self {
             partition_ids,
             partitions,
+            by_pair,
             ..
         } = self;
-        partition_ids.retain(|_, &mut p| {
+        partition_ids.retain(|&[tenant, model, ..], &mut p| {
             let empty = partitions.get(p).is_none_or(|q| {
                 q.entries.load(Ordering::Relaxed) <= 0 && q.keys.load(Ordering::Relaxed) <= 0
             });
             if empty {
                 partitions.remove(p);
                 freed.partitions += 1;
+                if let Some(list) = by_pair.get_mut(&[tenant, model]) {
+                    list.retain(|&mut q| q != p);
+                    if list.is_empty() {
+                        by_pair.remove(&[tenant, model]);
+                    }
+                }
             }
             !empty
         });
@@ -400,6 +445,27 @@ impl Catalog {
             }
             keep
         });
+        shrink_map(&mut self.names);
+        shrink_map(&mut self.replicas);
+        shrink_map(&mut self.partition_ids);
+        shrink_map(&mut self.by_pair);
+        shrink_map(&mut self.scope_ids);
+        shrink_map(&mut self.tenant_entries);
+        if self.joined.capacity() > SHRINK_FROM && self.joined.len() * 4 < self.joined.capacity() {
+            self.joined.shrink_to_fit();
+        }
         freed
+    }
+}
+
+/// Maps smaller than this keep their room.
+const SHRINK_FROM: usize = 256;
+
+/// Gives back a map's room once it holds under a quarter of it: after a
+/// flood of names is cleared, maps would otherwise keep their peak size.
+/// Only the sweep calls it; a map that refills pays one regrowth.
+pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > SHRINK_FROM && map.len() * 4 < map.capacity() {
+        map.shrink_to_fit();
     }
 }

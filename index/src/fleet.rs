@@ -34,8 +34,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hashbrown::HashMap;
+use smallvec::SmallVec;
 
-use crate::catalog::{NameId, ReplicaId};
+use crate::catalog::{NameId, ReplicaId, shrink_map};
 use crate::model::ReplicaStatsReport;
 
 /// What the index knows about one replica.
@@ -134,6 +135,9 @@ impl Member {
 pub(crate) struct Fleet {
     pub records: HashMap<ReplicaId, ReplicaRecord>,
     members: HashMap<[NameId; 2], Vec<Member>>,
+    /// The pairs each replica is a member of: leaving and listing visit
+    /// only those, never every serving set.
+    pairs: HashMap<ReplicaId, SmallVec<[[NameId; 2]; 2]>>,
     /// Where recent requests' deepest matches ended (see the `cost` module).
     pub reuse: crate::cost::ReuseCounts,
 }
@@ -193,10 +197,13 @@ impl Fleet {
                     member.schemes.push(s);
                 }
             }
-            None => members.push(Member {
-                replica,
-                schemes: scheme.into_iter().collect(),
-            }),
+            None => {
+                members.push(Member {
+                    replica,
+                    schemes: scheme.into_iter().collect(),
+                });
+                self.pairs.entry(replica).or_default().push([tenant, model]);
+            }
         }
     }
 
@@ -210,18 +217,24 @@ impl Fleet {
         model: Option<NameId>,
     ) -> usize {
         let mut left = 0;
-        let mut still_member = false;
-        self.members.retain(|&[t, m], members| {
-            if tenant.is_none_or(|x| x == t) && model.is_none_or(|x| x == m) {
-                let before = members.len();
-                members.retain(|member| member.replica != replica);
-                left += before - members.len();
-            } else if members.iter().any(|member| member.replica == replica) {
-                still_member = true;
-            }
-            !members.is_empty()
-        });
-        if !still_member {
+        if let Some(pairs) = self.pairs.get_mut(&replica) {
+            pairs.retain(|&mut [t, m]| {
+                if !(tenant.is_none_or(|x| x == t) && model.is_none_or(|x| x == m)) {
+                    return true;
+                }
+                if let Some(members) = self.members.get_mut(&[t, m]) {
+                    let before = members.len();
+                    members.retain(|member| member.replica != replica);
+                    left += before - members.len();
+                    if members.is_empty() {
+                        self.members.remove(&[t, m]);
+                    }
+                }
+                false
+            });
+        }
+        if self.pairs.get(&replica).is_none_or(|p| p.is_empty()) {
+            self.pairs.remove(&replica);
             self.records.remove(&replica);
         }
         left
@@ -237,11 +250,9 @@ impl Fleet {
     /// `(tenant, model)` pairs `replica` is a member of.
     pub fn memberships_of(&self, replica: ReplicaId) -> Vec<[NameId; 2]> {
         let mut out: Vec<[NameId; 2]> = self
-            .members
-            .iter()
-            .filter(|(_, members)| members.iter().any(|m| m.replica == replica))
-            .map(|(&pair, _)| pair)
-            .collect();
+            .pairs
+            .get(&replica)
+            .map_or_else(Vec::new, |p| p.to_vec());
         out.sort_unstable();
         out
     }
@@ -270,20 +281,36 @@ impl Fleet {
     /// Drops members whose heartbeats stopped more than `timeout_ms` ago.
     /// Returns how many memberships ended.
     pub fn expire(&mut self, now_ms: u64, timeout_ms: impl Fn(NameId) -> u64) -> usize {
-        let records = &self.records;
+        let (records, pairs) = (&self.records, &mut self.pairs);
         let mut ended = 0;
-        self.members.retain(|&[tenant, _], members| {
+        self.members.retain(|&[tenant, model], members| {
             let limit = timeout_ms(tenant);
-            let before = members.len();
             members.retain(|m| {
-                records.get(&m.replica).is_none_or(|r| {
+                let keep = records.get(&m.replica).is_none_or(|r| {
                     !r.heartbeats() || now_ms.saturating_sub(r.last_heard_ms()) <= limit
-                })
+                });
+                if !keep {
+                    ended += 1;
+                    if let Some(p) = pairs.get_mut(&m.replica) {
+                        p.retain(|&mut pair| pair != [tenant, model]);
+                        if p.is_empty() {
+                            pairs.remove(&m.replica);
+                        }
+                    }
+                }
+                keep
             });
-            ended += before - members.len();
             !members.is_empty()
         });
         ended
+    }
+
+    /// Gives back the room of maps that emptied out (after a flood of
+    /// names is cleared, their capacity would otherwise stay at the peak).
+    pub fn shrink(&mut self) {
+        shrink_map(&mut self.records);
+        shrink_map(&mut self.members);
+        shrink_map(&mut self.pairs);
     }
 }
 
@@ -349,5 +376,28 @@ mod tests {
         assert_eq!(fleet.expire(20_000, |_| 30_000), 0);
         assert_eq!(fleet.expire(40_000, |_| 30_000), 1);
         assert!(fleet.members(10, 20).is_empty());
+        assert!(fleet.memberships_of(1).is_empty());
+    }
+
+    #[test]
+    fn a_flood_of_members_leaves_no_room_behind() {
+        let mut fleet = Fleet::default();
+        for r in 0..10_000 {
+            fleet.heard(r, 0);
+            fleet.join(r, r, 1, None);
+        }
+        fleet.join(0, 7, 7, None);
+        assert_eq!(fleet.memberships_of(0), vec![[0, 1], [7, 7]]);
+        for r in 0..10_000 {
+            assert_eq!(fleet.leave(r, None, None), if r == 0 { 2 } else { 1 });
+        }
+        assert!(fleet.records.is_empty() && fleet.members.is_empty() && fleet.pairs.is_empty());
+        fleet.shrink();
+        assert!(
+            fleet.records.capacity() < 1_000,
+            "{}",
+            fleet.records.capacity()
+        );
+        assert!(fleet.members.capacity() < 1_000 && fleet.pairs.capacity() < 1_000);
     }
 }

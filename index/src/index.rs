@@ -655,14 +655,14 @@ impl CacheIndex {
             None
         };
         catalog
-            .partitions
-            .with_ids()
-            .filter(|(_, p)| {
-                tenant.is_none_or(|t| p.tenant == t)
-                    && model.is_none_or(|m| p.model == m)
-                    && adapter.is_none_or(|a| p.adapter == a)
+            .partitions_of(tenant, model)
+            .into_iter()
+            .filter(|&id| {
+                catalog
+                    .partitions
+                    .get(id)
+                    .is_some_and(|p| adapter.is_none_or(|a| p.adapter == a))
             })
-            .map(|(i, _)| i)
             .collect()
     }
 
@@ -698,21 +698,37 @@ impl CacheIndex {
         let Some(replica) = self.catalog.read().replica(&event.replica_id) else {
             return 0;
         };
-        let parts = self.event_partitions(event, false);
-        if parts.is_empty() {
-            return 0;
-        }
-        let mut wanted = vec![false; parts.iter().max().map_or(0, |&m| m as usize + 1)];
-        for &p in &parts {
-            wanted[p as usize] = true;
-        }
+        let name = |catalog: &Catalog, n: &str| -> Result<Option<NameId>, ()> {
+            if n.is_empty() {
+                Ok(None)
+            } else {
+                catalog.name(n).map(Some).ok_or(())
+            }
+        };
         let mut deltas = Deltas::default();
+        // Only the runs the replica has cells in are visited, each checked
+        // against the event's tenant and model: the cost follows what the
+        // replica held, not the size of the index or the number of names.
+        // Lock order: store writer, then catalog.
         let mut w = self.store.write();
-        w.clear(
-            replica,
-            |part| wanted.get(part as usize).copied().unwrap_or(false),
-            &mut deltas,
-        );
+        {
+            let catalog = self.catalog.read();
+            let (Ok(tenant), Ok(model)) = (
+                name(&catalog, &event.tenant_id),
+                name(&catalog, &event.model_id),
+            ) else {
+                return 0;
+            };
+            w.clear(
+                replica,
+                |part| {
+                    catalog.partitions.get(part).is_some_and(|p| {
+                        tenant.is_none_or(|t| p.tenant == t) && model.is_none_or(|m| p.model == m)
+                    })
+                },
+                &mut deltas,
+            );
+        }
         self.apply(&deltas);
         drop(w);
         -deltas.total_entries() as u64

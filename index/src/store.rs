@@ -575,6 +575,12 @@ impl Writing<'_> {
         self.w.entries
     }
 
+    /// Gives back the room of the per-replica run sets after many
+    /// replicas were cleared.
+    pub fn shrink(&mut self) {
+        crate::catalog::shrink_map(&mut self.w.by_replica);
+    }
+
     /// Whether `replica` has a cell anywhere.
     pub fn holds_any(&self, replica: ReplicaId) -> bool {
         self.w.by_replica.contains_key(&replica)

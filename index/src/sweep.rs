@@ -191,7 +191,7 @@ impl CacheIndex {
     fn free_unused(&self) -> Freed {
         // Lock order: store writer, catalog, fleet (lookups take catalog
         // then fleet, and nothing waits for the writer holding either).
-        let w = self.store.write();
+        let mut w = self.store.write();
         let mut catalog = self.catalog_write();
         let mut fleet = self.fleet_write();
         // Records written under an id freed by an earlier sweep (an update
@@ -205,6 +205,8 @@ impl CacheIndex {
         for r in dead {
             fleet.leave(r, None, None);
         }
+        fleet.shrink();
+        w.shrink();
         catalog.free_unused(
             |replica| w.holds_any(replica) || fleet.records.contains_key(&replica),
             |[tenant, model]| {

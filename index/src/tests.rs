@@ -961,6 +961,7 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
         f.index.ingest(&u);
     }
     let [names, replicas, partitions, _] = f.index.catalog.read().interned();
+    let peak_room = f.index.catalog.read().room();
     assert!(names >= baseline[0] + 3 * flood as usize);
     assert_eq!(replicas, baseline[1] + flood as usize);
     assert_eq!(partitions, baseline[2] + flood as usize);
@@ -981,6 +982,12 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
     assert_eq!(report.partitions_freed, flood);
     assert!(report.names_freed >= 4 * flood, "{report:?}");
     assert_eq!(f.index.catalog.read().interned(), baseline);
+    // The maps give their room back too.
+    let room = f.index.catalog.read().room();
+    assert!(
+        room * 8 < peak_room,
+        "room {room} of {peak_room} at the peak"
+    );
     assert_eq!(f.index.snapshot().replicas.len(), 1);
     // What stayed still answers, and a freed name comes back as new.
     assert_eq!(f.lookup_chain(&chain(0..4)).reason, Reason::PrefixMatch);
