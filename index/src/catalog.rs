@@ -98,53 +98,139 @@ impl Scope {
     }
 }
 
-/// Items under ids that are never reused (a stale id held across a lock
-/// release can only miss, never name another item); a freed id reads as
-/// absent and costs one empty slot.
+/// Ids per chunk of an [`IdList`].
+const ID_CHUNK: usize = 256;
+
+/// Items under ids handed out in order and never reused (a stale id held
+/// across a lock release can only miss, never name another item). Ids live
+/// in chunks of [`ID_CHUNK`] slots; a chunk whose items were all freed is
+/// dropped, so a flood of names that is cleared leaves one empty pointer per
+/// 256 ids behind rather than a slot per id.
 #[derive(Debug)]
-pub(crate) struct Slab<T> {
-    items: Vec<Option<Arc<T>>>,
+pub(crate) struct IdList<T> {
+    chunks: Vec<Option<IdChunk<T>>>,
+    next: u32,
 }
 
-impl<T> Default for Slab<T> {
+#[derive(Debug)]
+struct IdChunk<T> {
+    items: Box<[Option<T>]>,
+    live: u32,
+}
+
+impl<T> Default for IdList<T> {
     fn default() -> Self {
-        Self { items: Vec::new() }
+        Self {
+            chunks: Vec::new(),
+            next: 0,
+        }
     }
 }
 
-impl<T> Slab<T> {
-    pub fn get(&self, id: u32) -> Option<&Arc<T>> {
-        self.items.get(id as usize)?.as_ref()
+impl<T> IdList<T> {
+    pub fn get(&self, id: u32) -> Option<&T> {
+        let chunk = self.chunks.get(id as usize / ID_CHUNK)?.as_ref()?;
+        chunk.items[id as usize % ID_CHUNK].as_ref()
     }
 
-    /// Live items in id order.
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<T>> {
-        self.items.iter().flatten()
+    /// Live items with their ids, in id order.
+    pub fn with_ids(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.chunks.iter().enumerate().flat_map(|(c, chunk)| {
+            chunk.iter().flat_map(move |chunk| {
+                chunk
+                    .items
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(i, item)| Some(((c * ID_CHUNK + i) as u32, item.as_ref()?)))
+            })
+        })
     }
 
-    /// Live items with their ids.
-    pub fn with_ids(&self) -> impl Iterator<Item = (u32, &Arc<T>)> {
-        self.items
-            .iter()
-            .enumerate()
-            .filter_map(|(i, item)| Some((i as u32, item.as_ref()?)))
-    }
-
-    fn push(&mut self, item: T) -> u32 {
-        let id = u32::try_from(self.items.len()).unwrap_or(u32::MAX);
-        self.items.push(Some(Arc::new(item)));
+    pub fn push(&mut self, item: T) -> u32 {
+        let id = self.next;
+        self.next = self.next.saturating_add(1);
+        let c = id as usize / ID_CHUNK;
+        while self.chunks.len() <= c {
+            self.chunks.push(None);
+        }
+        let chunk = self.chunks[c].get_or_insert_with(|| IdChunk {
+            items: (0..ID_CHUNK).map(|_| None).collect(),
+            live: 0,
+        });
+        let slot = &mut chunk.items[id as usize % ID_CHUNK];
+        if slot.is_none() {
+            chunk.live += 1;
+        }
+        *slot = Some(item);
         id
     }
 
-    fn remove(&mut self, id: u32) {
-        if let Some(slot) = self.items.get_mut(id as usize) {
-            *slot = None;
+    pub fn remove(&mut self, id: u32) {
+        let c = id as usize / ID_CHUNK;
+        let Some(Some(chunk)) = self.chunks.get_mut(c) else {
+            return;
+        };
+        if chunk.items[id as usize % ID_CHUNK].take().is_some() {
+            chunk.live -= 1;
+        }
+        // A chunk ids are still handed out from stays.
+        if chunk.live == 0 && (c + 1) * ID_CHUNK <= self.next as usize {
+            self.chunks[c] = None;
         }
     }
 
     /// One past the highest id handed out.
     pub fn bound(&self) -> usize {
-        self.items.len()
+        self.next as usize
+    }
+
+    /// Chunks allocated.
+    #[cfg(test)]
+    pub fn chunks(&self) -> usize {
+        self.chunks.iter().flatten().count()
+    }
+}
+
+/// Shared items under ids that are never reused (see [`IdList`]).
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    items: IdList<Arc<T>>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Self {
+            items: IdList::default(),
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    pub fn get(&self, id: u32) -> Option<&Arc<T>> {
+        self.items.get(id)
+    }
+
+    /// Live items in id order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<T>> {
+        self.items.with_ids().map(|(_, item)| item)
+    }
+
+    /// Live items with their ids.
+    pub fn with_ids(&self) -> impl Iterator<Item = (u32, &Arc<T>)> {
+        self.items.with_ids()
+    }
+
+    fn push(&mut self, item: T) -> u32 {
+        self.items.push(Arc::new(item))
+    }
+
+    fn remove(&mut self, id: u32) {
+        self.items.remove(id);
+    }
+
+    /// One past the highest id handed out.
+    pub fn bound(&self) -> usize {
+        self.items.bound()
     }
 }
 
@@ -161,9 +247,9 @@ pub(crate) struct Freed {
 #[derive(Debug, Default)]
 pub(crate) struct Catalog {
     names: HashMap<Arc<str>, NameId>,
-    name_list: Vec<Option<Arc<str>>>,
+    name_list: IdList<Arc<str>>,
     replicas: HashMap<Arc<str>, ReplicaId>,
-    replica_list: Vec<Option<Arc<str>>>,
+    replica_list: IdList<Arc<str>>,
     partition_ids: HashMap<[NameId; 4], PartitionId>,
     pub partitions: Slab<Partition>,
     /// Partitions of each `(tenant, model)`: an event naming both visits
@@ -187,10 +273,7 @@ impl Catalog {
 
     /// The string behind a name id (empty once freed).
     pub fn name_str(&self, id: NameId) -> &Arc<str> {
-        self.name_list
-            .get(id as usize)
-            .and_then(Option::as_ref)
-            .unwrap_or(&self.empty)
+        self.name_list.get(id).unwrap_or(&self.empty)
     }
 
     /// Id of an already known replica.
@@ -200,17 +283,12 @@ impl Catalog {
 
     /// The string behind a replica id (empty once freed).
     pub fn replica_str(&self, id: ReplicaId) -> &Arc<str> {
-        self.replica_list
-            .get(id as usize)
-            .and_then(Option::as_ref)
-            .unwrap_or(&self.empty)
+        self.replica_list.get(id).unwrap_or(&self.empty)
     }
 
     /// Whether a replica id is still interned.
     pub fn replica_alive(&self, id: ReplicaId) -> bool {
-        self.replica_list
-            .get(id as usize)
-            .is_some_and(Option::is_some)
+        self.replica_list.get(id).is_some()
     }
 
     /// Partition of already interned names.
@@ -250,9 +328,8 @@ impl Catalog {
         if let Some(&id) = self.names.get(name) {
             return id;
         }
-        let id = u32::try_from(self.name_list.len()).unwrap_or(u32::MAX);
         let shared: Arc<str> = Arc::from(name);
-        self.name_list.push(Some(shared.clone()));
+        let id = self.name_list.push(shared.clone());
         self.names.insert(shared, id);
         id
     }
@@ -261,9 +338,8 @@ impl Catalog {
         if let Some(&id) = self.replicas.get(name) {
             return id;
         }
-        let id = u32::try_from(self.replica_list.len()).unwrap_or(u32::MAX);
         let shared: Arc<str> = Arc::from(name);
-        self.replica_list.push(Some(shared.clone()));
+        let id = self.replica_list.push(shared.clone());
         self.replicas.insert(shared, id);
         id
     }
@@ -426,7 +502,7 @@ impl Catalog {
         names.retain(|_, &mut id| {
             let keep = used.contains(&id);
             if !keep {
-                name_list[id as usize] = None;
+                name_list.remove(id);
                 freed.names += 1;
             }
             keep
@@ -440,7 +516,7 @@ impl Catalog {
         replicas.retain(|_, &mut id| {
             let keep = busy(id);
             if !keep {
-                replica_list[id as usize] = None;
+                replica_list.remove(id);
                 freed.replicas += 1;
             }
             keep
@@ -467,5 +543,31 @@ const SHRINK_FROM: usize = 256;
 pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
     if map.capacity() > SHRINK_FROM && map.len() * 4 < map.capacity() {
         map.shrink_to_fit();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_lists_never_reuse_ids_and_drop_emptied_chunks() {
+        let mut list = IdList::default();
+        let ids: Vec<u32> = (0..1_000u32).map(|i| list.push(i * 10)).collect();
+        assert_eq!(ids, (0..1_000).collect::<Vec<_>>());
+        assert_eq!(list.get(999), Some(&9_990));
+        assert_eq!(list.chunks(), 1_000usize.div_ceil(ID_CHUNK));
+        for id in 0..1_000 {
+            list.remove(id);
+        }
+        assert_eq!(list.get(5), None);
+        assert_eq!(list.with_ids().count(), 0);
+        // Only the chunk ids are still handed out from stays.
+        assert_eq!(list.chunks(), 1);
+        // A freed id is never handed out again.
+        assert_eq!(list.push(7), 1_000);
+        assert_eq!(list.get(1_000), Some(&7));
+        assert_eq!(list.bound(), 1_001);
+        assert_eq!(list.with_ids().collect::<Vec<_>>(), vec![(1_000, &7)]);
     }
 }
