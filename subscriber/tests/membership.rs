@@ -290,7 +290,11 @@ async fn sigterm_says_goodbye() {
     .join("\n");
     let exe = std::env::current_exe().expect("test executable");
     let mut child = Command::new(exe)
-        .args(["--exact", "child_runs_the_subscribe_command", "--nocapture"])
+        .args([
+            "--exact",
+            "membership::child_runs_the_subscribe_command",
+            "--nocapture",
+        ])
         .env(CHILD_ARGS, flags)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
