@@ -42,7 +42,7 @@ pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
 };
 pub use grpc::cache_update;
-pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
+pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings, tune_allocator};
 pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;
 pub use outcomes::OutcomeSettings;

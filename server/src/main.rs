@@ -152,8 +152,22 @@ async fn demo(args: inference_cache_demo::DemoArgs) -> anyhow::Result<()> {
     result.map(drop)
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // Before any thread allocates: the allocator's arenas are fixed per thread.
+    inference_cache_server::tune_allocator();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(e) => {
+            eprintln!("inference-cache: starting the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     // The demo's own output is the point: only warnings unless RUST_LOG says otherwise.
     let default_level = match cli.command {
