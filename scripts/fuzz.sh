@@ -37,37 +37,60 @@ build_start=$SECONDS
 cargo fuzz build "${FUZZ_FLAGS[@]}"
 echo "    (build: $((SECONDS - build_start))s)"
 
-failed=0
-summary=()
-for target in "${TARGETS[@]}"; do
-    work="fuzz/target/corpus/$target"
+# Targets run side by side, one per core (FUZZ_JOBS to change): each is a
+# single-threaded libFuzzer process with its own corpus, log and artifacts.
+JOBS="${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}"
+
+# Runs one target; writes its exit status and wall time to fuzz/target/<target>.result.
+run_target() {
+    local target="$1" work="fuzz/target/corpus/$1" log="fuzz/target/$1.log"
+    local start=$SECONDS status=0
     mkdir -p "$work" "fuzz/artifacts/$target"
-    log="fuzz/target/$target.log"
-    echo "==> $target for ${SECONDS_EACH}s (log: $log)"
-    start=$SECONDS
-    status=0
     cargo fuzz run "${FUZZ_FLAGS[@]}" "$target" "$work" "fuzz/corpus/$target" -- \
         -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=2048 \
         -print_final_stats=1 >"$log" 2>&1 || status=$?
-    elapsed=$((SECONDS - start))
-    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
-    found=$(sed -n 's/^stat::new_units_added: *//p' "$log" | tail -n 1)
+    echo "$status $((SECONDS - start))" >"fuzz/target/$target.result"
+}
+
+running=0
+for target in "${TARGETS[@]}"; do
+    if [ "$running" -ge "$JOBS" ]; then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    echo "==> $target for ${SECONDS_EACH}s (log: fuzz/target/$target.log)"
+    rm -f "fuzz/target/$target.result"
+    run_target "$target" &
+    running=$((running + 1))
+done
+wait || true
+
+failed=0
+summary=()
+for target in "${TARGETS[@]}"; do
+    log="fuzz/target/$target.log"
+    status=1
+    elapsed="?"
+    if [ -f "fuzz/target/$target.result" ]; then
+        read -r status elapsed <"fuzz/target/$target.result"
+    fi
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" 2>/dev/null | tail -n 1)
+    found=$(sed -n 's/^stat::new_units_added: *//p' "$log" 2>/dev/null | tail -n 1)
     if [ "$status" -eq 0 ]; then
         crashes=0
     else
         crashes=1
         failed=1
-        echo "    FAILED (exit $status); last lines of the log:"
-        tail -n 30 "$log" | sed 's/^/    | /'
-        grep -h 'Test unit written to' "$log" | sed 's/^/    /' || true
+        echo "==> $target FAILED (exit $status); last lines of the log:"
+        tail -n 30 "$log" 2>/dev/null | sed 's/^/    | /'
+        grep -h 'Test unit written to' "$log" 2>/dev/null | sed 's/^/    /' || true
     fi
     line=$(printf '%-18s %12s execs  %5s new  %s crash  %4ss' \
         "$target" "${execs:-?}" "${found:-?}" "$crashes" "$elapsed")
-    echo "    $line"
     summary+=("$line")
 done
 
 echo
-echo "==> summary (${SECONDS_EACH}s per target)"
+echo "==> summary (${SECONDS_EACH}s per target, $JOBS at a time)"
 printf '%s\n' "${summary[@]}"
 exit "$failed"
