@@ -6,6 +6,9 @@
 mod replay;
 mod server;
 
+#[path = "../../tests/src/test_files.rs"]
+mod test_files;
+
 /// The roots of this crate's test binaries (its `[[test]]` targets).
 const HARNESSES: &[&str] = &["main.rs"];
 
@@ -13,27 +16,5 @@ const HARNESSES: &[&str] = &["main.rs"];
 /// `tests/` runs only when a harness declares it with `mod <file>;`.
 #[test]
 fn every_test_file_is_compiled() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    let roots: String = HARNESSES
-        .iter()
-        .map(|h| std::fs::read_to_string(dir.join(h)).expect("reading a harness"))
-        .collect();
-    let mut missing = Vec::new();
-    for entry in std::fs::read_dir(&dir).expect("reading tests/") {
-        let path = entry.expect("a directory entry").path();
-        let Some(name) = path.file_name().and_then(|s| s.to_str()) else {
-            continue;
-        };
-        if let Some(stem) = name.strip_suffix(".rs")
-            && !HARNESSES.contains(&name)
-            && !roots.contains(&format!("\nmod {stem};\n"))
-        {
-            missing.push(format!("tests/{name}"));
-        }
-    }
-    assert!(
-        missing.is_empty(),
-        "{missing:?} not compiled: declare each with `mod <file>;` in tests/main.rs \
-         (and take shared helpers with `use crate::<helper>;`)"
-    );
+    test_files::assert_every_test_file_is_compiled(env!("CARGO_MANIFEST_DIR"), HARNESSES);
 }

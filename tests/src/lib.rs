@@ -2,6 +2,8 @@
 //! a connected gRPC client, reporting a token prompt's blocks as held, and a
 //! minimal HTTP/1.1 GET for the admin listener.
 
+pub mod test_files;
+
 use std::net::SocketAddr;
 use std::path::Path;
 
