@@ -298,7 +298,15 @@ fn writers_are_not_starved_by_lookups_back_to_back() {
                 })
             })
             .collect();
-        for i in 0..300u64 {
+        // Writes start once lookups run, and go on until 300 rounds are done
+        // and 1,000 lookups were answered while they ran.
+        while answered.load(Ordering::Relaxed) == 0 {
+            thread::yield_now();
+        }
+        let before = answered.load(Ordering::Relaxed);
+        let mut i = 0u64;
+        while i < 300 || answered.load(Ordering::Relaxed) < before + 1_000 {
+            i += 1;
             // A new tenant and replica name: catalog writes and a join.
             let mut u = update(
                 100 + i,
