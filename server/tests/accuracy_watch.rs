@@ -371,26 +371,3 @@ async fn watch_settings_it_cannot_honour_fail_start_up() {
     };
     assert!(error.contains("--accuracy-window"), "{error}");
 }
-
-#[test]
-fn serve_help_documents_the_accuracy_flags() {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_inference-cache"))
-        .args(["serve", "--help"])
-        .output()
-        .expect("run --help");
-    assert!(output.status.success());
-    let help = String::from_utf8_lossy(&output.stdout);
-    for flag in [
-        "--outcome-max-series",
-        "--outcome-max-id-bytes",
-        "--outcome-max-batch",
-        "--accuracy-check-interval",
-        "--accuracy-window",
-        "--accuracy-min-samples",
-        "--accuracy-miss-percent",
-        "--accuracy-partial-percent",
-        "--canary-interval",
-    ] {
-        assert!(help.contains(flag), "serve --help lacks {flag}:\n{help}");
-    }
-}
