@@ -16,91 +16,31 @@
 //!
 //! Run: `cargo bench -p inference-cache-server --bench name_flood`
 
-use std::process::{Child, Command, Stdio};
+#[path = "../tests/process_support/mod.rs"]
+mod process_support;
+
 use std::time::{Duration, Instant};
 
-use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{
     CacheEvent, CacheStateUpdate, PrefixEntry, cache_event::Type,
 };
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use process_support::ServerProcess;
 
 /// `cargo bench` passes `--bench`; under `cargo test` a short smoke pass runs.
 fn full_run() -> bool {
     std::env::args().any(|a| a == "--bench")
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
-
-struct Server {
-    child: Child,
-    grpc: u16,
-    admin: u16,
-}
-
-impl Server {
-    fn spawn() -> Self {
-        let (grpc, admin) = (free_port(), free_port());
-        let child = Command::new(env!("CARGO_BIN_EXE_inference-cache"))
-            .args(["serve", "--shutdown-delay", "0s", "--sweep-interval", "1s"])
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn inference-cache serve");
-        Self { child, grpc, admin }
-    }
-
-    fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .expect("/proc/<pid>/status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .expect("VmRSS")
-    }
-
-    async fn get(&self, path: &str) -> String {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.admin)).await else {
-            return String::new();
-        };
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        if stream.write_all(request.as_bytes()).await.is_err() {
-            return String::new();
-        }
-        let mut raw = Vec::new();
-        let _ = stream.read_to_end(&mut raw).await;
-        String::from_utf8_lossy(&raw).into_owned()
-    }
-
-    async fn client(&self) -> InferenceCacheClient<tonic::transport::Channel> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if self.get("/readyz").await.starts_with("HTTP/1.1 200")
-                && let Ok(c) =
-                    InferenceCacheClient::connect(format!("http://127.0.0.1:{}", self.grpc)).await
-            {
-                return c;
-            }
-            assert!(Instant::now() < deadline, "server never became ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Resident size of the server process, KiB.
+fn rss_kib(server: &ServerProcess) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id()))
+        .expect("/proc/<pid>/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS")
 }
 
 fn replica(i: u64) -> String {
@@ -144,10 +84,11 @@ async fn main() {
     } else {
         2_000
     };
-    let server = Server::spawn();
+    let server = ServerProcess::spawn(&["--sweep-interval", "1s"]);
+    server.wait_ready().await;
     let mut client = server.client().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let baseline = server.rss_kib();
+    let baseline = rss_kib(&server);
 
     const BATCH: u64 = 1_000;
     let mut next = 0;
@@ -159,7 +100,7 @@ async fn main() {
             .expect("report");
         next = end;
     }
-    let flooded = server.rss_kib();
+    let flooded = rss_kib(&server);
     let entries = metric(
         &server.get("/metrics").await,
         "inferencecache_index_entries",
@@ -186,7 +127,7 @@ async fn main() {
         }
     }
     let clearing = started.elapsed();
-    let cleared = server.rss_kib();
+    let cleared = rss_kib(&server);
 
     // The sweeps free the names nothing refers to any more.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -198,7 +139,7 @@ async fn main() {
         }
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = server.rss_kib();
+    let after = rss_kib(&server);
     let entries_after = metric(
         &server.get("/metrics").await,
         "inferencecache_index_entries",

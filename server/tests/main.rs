@@ -7,6 +7,7 @@
 
 mod contract_support;
 mod nats_support;
+mod process_support;
 
 mod accuracy_watch;
 mod chat_requests;

@@ -4,99 +4,32 @@
 //! until it has replayed the log, and then answers exactly like the survivor.
 //! No lookup on the survivor fails at any point.
 
-use crate::nats_support;
+use crate::{nats_support, process_support};
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest, PrefixEntry};
 use nats_support::Nats;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use process_support::ServerProcess;
 
 const POLICY: &str = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
     metadata: {name: all, namespace: \"*\"}\nspec:\n  ranker: Contract\n";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
-
-/// A server process and its ports.
-struct ServerProcess {
-    child: Child,
-    grpc: u16,
-    admin: u16,
-}
-
-impl ServerProcess {
-    fn spawn(nats: &Nats, policy: &std::path::Path) -> Self {
-        let (grpc, admin) = (free_port(), free_port());
-        let child = Command::new(env!("CARGO_BIN_EXE_inference-cache"))
-            .args(["serve", "--shutdown-delay", "0s"])
-            .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-            .args(["--admin-addr", &format!("127.0.0.1:{admin}")])
-            .args(["--nats-url", &nats.url(), "--nats-ack-timeout", "500ms"])
-            .args(["--nats-max-bytes", "67108864"])
-            .arg("--policy-file")
-            .arg(policy)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn inference-cache serve");
-        Self { child, grpc, admin }
-    }
-
-    async fn client(&self) -> InferenceCacheClient<tonic::transport::Channel> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match InferenceCacheClient::connect(format!("http://127.0.0.1:{}", self.grpc)).await {
-                Ok(c) => return c,
-                Err(e) => assert!(Instant::now() < deadline, "server never listened: {e}"),
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn readyz(&self) -> u16 {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.admin)).await else {
-            return 0;
-        };
-        let request = "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-        if stream.write_all(request.as_bytes()).await.is_err() {
-            return 0;
-        }
-        let mut raw = Vec::new();
-        let _ = stream.read_to_end(&mut raw).await;
-        String::from_utf8_lossy(&raw)
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
-    }
-
-    async fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.readyz().await != 200 {
-            assert!(Instant::now() < deadline, "never ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// A server of the shared log on `nats`, under `policy`.
+fn spawn(nats: &Nats, policy: &std::path::Path) -> ServerProcess {
+    let policy = policy.to_str().expect("UTF-8 path");
+    ServerProcess::spawn(&[
+        "--nats-url",
+        &nats.url(),
+        "--nats-ack-timeout",
+        "500ms",
+        "--nats-max-bytes",
+        "67108864",
+        "--policy-file",
+        policy,
+    ])
 }
 
 fn blocks(id: u64) -> Vec<Vec<u8>> {
@@ -137,8 +70,8 @@ async fn a_killed_server_restarts_from_the_log_and_converges_while_the_survivor_
     let dir = tempfile::tempdir().expect("tempdir");
     let policy = dir.path().join("policy.yaml");
     std::fs::write(&policy, POLICY).expect("policy");
-    let survivor = ServerProcess::spawn(&nats, &policy);
-    let mut victim = ServerProcess::spawn(&nats, &policy);
+    let survivor = spawn(&nats, &policy);
+    let mut victim = spawn(&nats, &policy);
     survivor.wait_ready().await;
     victim.wait_ready().await;
     let mut to_survivor = survivor.client().await;
@@ -195,7 +128,7 @@ async fn a_killed_server_restarts_from_the_log_and_converges_while_the_survivor_
         .report_cache_state(tokio_stream::iter((40..80).map(report)))
         .await
         .expect("report while the other server is down");
-    let restarted = ServerProcess::spawn(&nats, &policy);
+    let restarted = spawn(&nats, &policy);
     let mut to_restarted = restarted.client().await;
     restarted.wait_ready().await;
     // Ready means caught up: every answer matches the survivor's at once.
