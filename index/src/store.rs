@@ -61,6 +61,26 @@ const MAX_RUNS: u32 = 1 << (32 - POS_BITS);
 const RUN_CHUNK: usize = 1 << 12;
 const RUN_DIR: usize = (MAX_RUNS as usize).div_ceil(RUN_CHUNK);
 
+/// Hints that the cache line holding `value` will be read soon, so that its
+/// miss is under way while other work goes on; unlike a load, the CPU does
+/// not wait for it.
+#[inline(always)]
+pub(crate) fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    #[expect(
+        unsafe_code,
+        reason = "a prefetch instruction is a hint: it never faults and changes no state"
+    )]
+    // SAFETY: `prefetcht0` never faults and has no effect on program state
+    // whatever the address; here it is also a valid reference.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(value).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
+}
+
 /// A prefix hash as the store sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HashRef<'a> {
@@ -350,17 +370,19 @@ impl Body {
             .map(|c| Cell(c.load(Ordering::Relaxed)))
     }
 
-    /// Loads the first cells from `pos` of the first rows, so that their
-    /// misses are under way while the caller compares hashes.
+    /// Starts loading the first cells from `pos` of the first rows and the
+    /// hashes from `pos` on, so that their misses are under way together
+    /// while the caller compares hashes.
     pub fn touch_cells(&self, pos: usize) {
-        let mut acc = 0;
+        let len = self.len();
         for row in self.rows.iter().take(8) {
-            acc ^= self
-                .data
-                .cell(row.slot as usize, pos)
-                .load(Ordering::Relaxed);
+            prefetch(self.data.cell(row.slot as usize, pos));
         }
-        std::hint::black_box(acc);
+        let mut at = pos;
+        while at < len {
+            prefetch(&self.data.words[HEAD + at]);
+            at += 8;
+        }
     }
 
     /// Adds one to a cell's access count (saturating); lock-free, so a
@@ -487,7 +509,7 @@ impl Reader<'_> {
     /// Loads the key's home slot so that a [`locate`](Self::locate) soon
     /// after finds it in cache.
     pub fn touch(&self, key: &Key<'_>) {
-        std::hint::black_box(self.table.touch(key.probe));
+        self.table.touch(key.probe);
     }
 
     /// The body and position holding `key` in `part`.
@@ -622,14 +644,7 @@ impl Writing<'_> {
 
     fn insert_key(&mut self, probe: Probe, at: u32) {
         if self.w.table.full() {
-            let next = {
-                let bodies = &self.w.bodies;
-                self.w.table.rebuilt(0, |l| {
-                    let (run, pos) = split(l);
-                    let body = bodies.get(run as usize)?.as_ref()?;
-                    Some(mix(body.data.hash(pos), body.part))
-                })
-            };
+            let next = self.w.table.rebuilt(0);
             self.swap_table(next);
         }
         self.w.table.insert(probe, at);
@@ -647,14 +662,7 @@ impl Writing<'_> {
         if !self.w.table.sparse() {
             return;
         }
-        let next = {
-            let bodies = &self.w.bodies;
-            self.w.table.rebuilt(0, |l| {
-                let (run, pos) = split(l);
-                let body = bodies.get(run as usize)?.as_ref()?;
-                Some(mix(body.data.hash(pos), body.part))
-            })
-        };
+        let next = self.w.table.rebuilt(0);
         self.swap_table(next);
     }
 
@@ -683,10 +691,9 @@ impl Writing<'_> {
         // them in cache instead of waiting for one after the other.
         if keys.len() > 1 {
             let table = &self.w.table;
-            let touched = keys
-                .iter()
-                .fold(0u64, |acc, (key, _)| acc ^ table.touch(key.probe));
-            std::hint::black_box(touched);
+            for (key, _) in keys {
+                table.touch(key.probe);
+            }
         }
         let mut prev: Option<(u32, usize)> = None;
         for (i, (key, count)) in keys.iter().enumerate() {

@@ -13,6 +13,12 @@
 //! Tags are 32 bits, so unrelated keys may share one: a caller checks each
 //! candidate location against the run it names (partition and hash at that
 //! position) and probes on past a mismatch.
+//!
+//! A key's home slot is taken from its tag, so growth moves every entry
+//! from its slot word alone, without reading the run it names (a cache
+//! miss per key otherwise). Keys in one stretch of slots therefore share
+//! their tag's low bits; the bits above the table's size still tell them
+//! apart (8 bits at 16M slots), so a probe rarely checks a run in vain.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -21,18 +27,18 @@ const TOMB: u64 = 1;
 /// Smallest table.
 const MIN_SLOTS: usize = 16;
 
-/// Where a key's home slot is and the tag its slot carries.
+/// The tag a key's slot carries (upper 32 bits), which also fixes its home slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Probe {
-    home: u64,
     tag: u64,
 }
 
 impl Probe {
     /// The probe of a mixed 64-bit hash.
     pub fn of(mixed: u64) -> Self {
-        let tag = (mixed >> 32).max(1) << 32;
-        Self { home: mixed, tag }
+        Self {
+            tag: (mixed >> 32).max(1) << 32,
+        }
     }
 }
 
@@ -67,7 +73,7 @@ impl KeyTable {
     }
 
     fn home(&self, probe: Probe) -> usize {
-        probe.home as usize & self.mask
+        (probe.tag >> 32) as usize & self.mask
     }
 
     /// The first location stored under the probe's tag that `accept` takes.
@@ -85,11 +91,12 @@ impl KeyTable {
         }
     }
 
-    /// Loads the key's home slot and returns it, so that a caller about to
-    /// probe many keys one after the other can start their cache misses
-    /// together instead of one at a time.
-    pub fn touch(&self, probe: Probe) -> u64 {
-        self.slots[self.home(probe)].0.load(Ordering::Relaxed)
+    /// Starts loading the key's home slot into the cache (a prefetch: it
+    /// does not wait for the line), so that a caller about to probe many
+    /// keys one after the other has their cache misses under way together
+    /// instead of one at a time.
+    pub fn touch(&self, probe: Probe) {
+        crate::store::prefetch(&self.slots[self.home(probe)]);
     }
 
     /// Whether one more insert needs a bigger table.
@@ -147,10 +154,9 @@ impl KeyTable {
     }
 
     /// A table with room for twice the live keys (at least `min_live`) and
-    /// at most twice as many slots,
-    /// holding the same entries; `home` recomputes a slot's home hash from
-    /// its location.
-    pub fn rebuilt(&self, min_live: usize, home: impl Fn(u32) -> Option<u64>) -> Self {
+    /// at most twice as many slots, holding the same entries (each moved
+    /// by its tag alone).
+    pub fn rebuilt(&self, min_live: usize) -> Self {
         let live = self.len().max(min_live);
         // Room for twice the live keys under the 7/8 bound, but at most
         // double the table: rounding that room up to a power of two would
@@ -165,16 +171,12 @@ impl KeyTable {
             if word == EMPTY || word == TOMB {
                 continue;
             }
-            let loc = word as u32;
-            if let Some(mixed) = home(loc) {
-                next.insert(
-                    Probe {
-                        home: mixed,
-                        tag: word & !0xFFFF_FFFF,
-                    },
-                    loc,
-                );
-            }
+            next.insert(
+                Probe {
+                    tag: word & !0xFFFF_FFFF,
+                },
+                word as u32,
+            );
         }
         next
     }
@@ -198,7 +200,7 @@ mod tests {
         let mut t = KeyTable::default();
         for i in 0..1000u64 {
             if t.full() {
-                t = t.rebuilt(0, |loc| Some(mixed(u64::from(loc))));
+                t = t.rebuilt(0);
             }
             t.insert(Probe::of(mixed(i)), i as u32);
         }
@@ -219,7 +221,7 @@ mod tests {
         }
         assert_eq!(t.len(), 1);
         assert!(t.sparse());
-        let small = t.rebuilt(0, |loc| (loc == 777).then(|| mixed(5)));
+        let small = t.rebuilt(0);
         assert_eq!(small.find(p, |_| true), Some(777));
         assert!(small.bytes() < t.bytes());
     }
