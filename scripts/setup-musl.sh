@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Provides what server/tests/container_image.rs needs to build the container
+# Provides what cli/tests/container_image.rs needs to build the container
 # image's static binary: the x86_64-unknown-linux-musl Rust target and a musl
 # C compiler (`musl-gcc`, Debian `musl-tools`) for ring's C code.
 # Idempotent.

@@ -45,7 +45,7 @@ const RELEASE_AFTER_FREED: u64 = 1024;
 /// cleared the resident size would stay at the peak: measured with 20,000
 /// tenant / model / replica names reported and cleared, the release server
 /// stayed at 3.6 × its start-up RSS, and `malloc_trim` takes it down (see
-/// `cargo bench -p inference-cache-server --bench name_flood`). One call
+/// `cargo bench -p inference-cache --bench name_flood`). One call
 /// walks the arenas once (about a millisecond after such a flood), and only a
 /// sweep that freed at least [`RELEASE_AFTER_FREED`] things makes it. Other
 /// allocators (musl's in the static image) return memory on their own.

@@ -1,34 +1,30 @@
-//! The integration tests of this crate, in two binaries: this one, and
-//! `tests/container_image.rs`, whose static musl build of the server takes
-//! both cores for minutes and so runs alone. Each file of `tests/` is a
-//! module of one of them, so the crate links twice, not once per file.
+//! The integration tests of this crate, in one binary: each file of
+//! `tests/` is a module of it, so the crate links once, not once per file.
+//! They start the server in-process (`inference_cache_server::start`); the
+//! tests that run the `inference-cache` binary are those of `cli/tests/`.
 //!
 //! One file's tests: `cargo test -p inference-cache-server --test integration contract_lookup::`.
 
 mod contract_support;
 mod nats_support;
-mod process_support;
 
 mod accuracy_watch;
 mod chat_requests;
-mod cli;
 mod configmap_reload;
 mod contract_ingest;
 mod contract_lookup;
 mod contract_policy;
-mod deploy_manifests;
 mod hardening;
 mod membership;
 mod monitoring;
 mod pd_route;
 mod scale_out;
-mod scale_out_processes;
 
 #[path = "../../tests/src/test_files.rs"]
 mod test_files;
 
-/// The roots of this crate's test binaries (its `[[test]]` targets).
-const HARNESSES: &[&str] = &["main.rs", "container_image.rs"];
+/// The root of this crate's test binary (its `[[test]]` target).
+const HARNESSES: &[&str] = &["main.rs"];
 
 /// Cargo's automatic test targets are off (`autotests = false`): a file of
 /// `tests/` runs only when a harness declares it with `mod <file>;`.

@@ -4,7 +4,7 @@
 //! Run: `scripts/setup-subscriber.sh && cargo bench -p
 //! inference-cache-subscriber --bench ingest` (add `-- --quick` for a short
 //! run). Needs the venv with pyzmq + msgpack. The bench itself runs `cargo
-//! build --release -p inference-cache-server` into its own target directory
+//! build --release -p inference-cache` into its own target directory
 //! first (unless `$INFERENCE_CACHE_BIN` names a binary), so both sides of the
 //! measurement are release builds. Under `cargo test` it runs the short
 //! rows against the test build's server binary, as a smoke check.
@@ -83,7 +83,7 @@ fn release_server() -> PathBuf {
             .expect("run cargo");
         assert!(
             status.success(),
-            "cargo build --release -p inference-cache-server failed"
+            "cargo build --release -p inference-cache failed"
         );
     }
     common::server_binary()

@@ -3,7 +3,7 @@
 //!
 //! The binary is taken from `$INFERENCE_CACHE_BIN`, else from this test's
 //! target directory (`target/<profile>/inference-cache`); build it first with
-//! `cargo build -p inference-cache-server`.
+//! `cargo build -p inference-cache`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

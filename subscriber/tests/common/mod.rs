@@ -542,7 +542,7 @@ pub fn server_binary() -> PathBuf {
     };
     assert!(
         path.is_file(),
-        "{} not found: build the server first with `cargo build{release} -p inference-cache-server` \
+        "{} not found: build the server first with `cargo build{release} -p inference-cache` \
          (same CARGO_TARGET_DIR), or set INFERENCE_CACHE_BIN",
         path.display()
     );

@@ -164,7 +164,7 @@ fn server_image_root_filesystem_runs_the_static_binary() {
         "--target",
         "x86_64-unknown-linux-musl",
         "-p",
-        "inference-cache-server",
+        "inference-cache",
         "--bin",
         "inference-cache",
     ]);

@@ -14,7 +14,7 @@
 //! Under `cargo test` (no `--bench`) it runs once with 2,000 names as a smoke
 //! test. Linux only (reads `/proc`).
 //!
-//! Run: `cargo bench -p inference-cache-server --bench name_flood`
+//! Run: `cargo bench -p inference-cache --bench name_flood`
 
 #[path = "../tests/process_support/mod.rs"]
 mod process_support;

@@ -12,7 +12,7 @@
 //! server's own `lookup_latency_us`, its CPU time per request and the reason
 //! codes are reported too.
 //!
-//! Run: `cargo bench -p inference-cache-server --bench grpc_lookup`
+//! Run: `cargo bench -p inference-cache --bench grpc_lookup`
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
