@@ -94,6 +94,11 @@ impl ReplicaRecord {
     /// `half_life_ms`.
     pub fn assigned(&self, now_ms: u64, half_life_ms: u64) -> f64 {
         let value = f64::from_bits(self.assigned.load(Ordering::Relaxed));
+        if value == 0.0 {
+            // Nothing to decay (and no `exp` of a huge age for a replica
+            // never hinted to).
+            return value;
+        }
         let at = self.assigned_at_ms.load(Ordering::Relaxed);
         value * decay(now_ms.saturating_sub(at), half_life_ms)
     }
@@ -111,6 +116,10 @@ impl ReplicaRecord {
 fn decay(elapsed_ms: u64, half_life_ms: u64) -> f64 {
     if half_life_ms == 0 {
         return 0.0;
+    }
+    if elapsed_ms == 0 {
+        // exp(-0) = 1 exactly.
+        return 1.0;
     }
     (-(elapsed_ms as f64) / half_life_ms as f64 * std::f64::consts::LN_2).exp()
 }

@@ -36,7 +36,7 @@ use crate::model::{
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
-use crate::store::{Cell, HashRef, Key, RUN_BLOCKS, Reader};
+use crate::store::{Key, RUN_BLOCKS, Reader, Stretch};
 
 const INLINE: usize = 16;
 
@@ -416,7 +416,7 @@ impl CacheIndex {
                 &fleet,
                 &ctx,
                 &outcome,
-                cands.as_slice(),
+                (cands.as_slice(), &serving),
                 request_tokens,
             );
         }
@@ -477,7 +477,7 @@ impl CacheIndex {
         fleet: &Fleet,
         ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
-        cands: &[Candidate],
+        (cands, serving): (&[Candidate], &Serving),
         request_tokens: i64,
     ) {
         let now_ms = ctx.now_ms;
@@ -486,7 +486,17 @@ impl CacheIndex {
         let Some(top) = outcome.scores.first() else {
             return;
         };
-        let Some(replica) = catalog.replica(&top.replica_id) else {
+        // The answer names a live member by the catalog's own string: find
+        // its id by that pointer rather than hashing the name.
+        let named =
+            |r: &ReplicaId| std::sync::Arc::ptr_eq(catalog.replica_str(*r), &top.replica_id);
+        let Some(replica) = cands
+            .iter()
+            .map(|c| c.replica)
+            .find(named)
+            .or_else(|| serving.iter().copied().find(named))
+            .or_else(|| catalog.replica(&top.replica_id))
+        else {
             return;
         };
         let matched = cands
@@ -761,30 +771,35 @@ fn walk_chain(
             return Matched::Miss;
         };
         // Start the misses on the candidates' cells now, so they overlap
-        // the compares below.
+        // the compares below (a later run had them started when it was
+        // found).
         let len = body.len();
-        body.touch_cells(pos);
-        // How far the request follows this run: one compare per block.
-        let mut m = 1;
-        while i + m < n && pos + m < len {
-            let hash = HashRef::from_bytes(chain.hashes.get(i + m));
-            if !body.holds(pos + m, hash, hash.word()) {
-                break;
-            }
-            m += 1;
+        if i == 0 {
+            body.touch_cells(pos);
         }
+        // How far the request follows this run: one compare per block.
+        let m = body.follow(pos, len, chain.hashes, i);
         // Where the request leaves the run it continues through another
-        // one: start that key-table miss before reading the cells here.
-        let next = (i + m < n).then(|| {
-            let key = Key::of_bytes(part, chain.hashes.get(i + m));
-            reader.touch(&key);
-            key
-        });
+        // one: find that run now, so its misses (key-table slot, body,
+        // header) are under way while the cells here are read (their lines
+        // were asked for before the compares).
+        let next = if i + m < n {
+            reader.locate(part, &Key::of_bytes(part, chain.hashes.get(i + m)))
+        } else {
+            None
+        };
+        if let Some((g, p)) = &next
+            && let Some(b) = g.as_ref()
+        {
+            b.touch_cells(*p);
+        }
         // Tokens of the first k blocks of the stretch, for every k: a
         // candidate's pass over its cells then only finds where it stops.
         let mut prefix = [0i64; RUN_BLOCKS + 1];
+        let mut sum = 0;
         for (k, &t) in counts[i..i + m].iter().enumerate() {
-            prefix[k + 1] = prefix[k] + i64::from(t);
+            sum += i64::from(t);
+            prefix[k + 1] = sum;
         }
         let prefix = &prefix[..=m];
         let mut any = false;
@@ -799,7 +814,7 @@ fn walk_chain(
                     tier: 0,
                     active: true,
                 };
-                extend(&mut c, body.cells(row, pos, pos + m), prefix);
+                extend(&mut c, body.held_stretch(row, pos, pos + m), prefix);
                 if c.blocks > 0 {
                     any |= c.active;
                     cands.push(c);
@@ -815,7 +830,7 @@ fn walk_chain(
                 match body.row_from(c.replica, from) {
                     Some(row) => {
                         from = row + 1;
-                        extend(c, body.cells(row, pos, pos + m), prefix);
+                        extend(c, body.held_stretch(row, pos, pos + m), prefix);
                         any |= c.active;
                     }
                     None => c.active = false,
@@ -823,35 +838,26 @@ fn walk_chain(
             }
         }
         i += m;
-        let Some(next) = next.filter(|_| any) else {
-            return Matched::Hits;
-        };
-        match reader.locate(part, &next) {
+        match next.filter(|_| any) {
             Some((g, p)) => (guard, pos) = (g, p),
             None => return Matched::Hits,
         }
     }
 }
 
-/// Extends a candidate's leading run over consecutive cells of its row;
-/// `prefix[k]` is the tokens of the first `k` of them.
-fn extend(c: &mut Candidate, cells: impl Iterator<Item = Cell>, prefix: &[i64]) {
-    let mut oldest = c.oldest_seen;
-    let mut tier = c.tier;
-    let mut k = 0;
-    for cell in cells {
-        if !cell.held() {
-            c.active = false;
-            break;
-        }
-        oldest = oldest.min(cell.last_seen());
-        tier = tier.max(cell.tier());
-        k += 1;
+/// Extends a candidate's leading run over a held stretch of its row;
+/// `prefix[k]` is the tokens of the first `k` blocks of the stretch.
+fn extend(c: &mut Candidate, stretch: Stretch, prefix: &[i64]) {
+    let k = stretch.blocks;
+    if stretch.ended {
+        c.active = false;
+    }
+    if k > 0 {
+        c.oldest_seen = c.oldest_seen.min(stretch.oldest);
+        c.tier = c.tier.max(stretch.tier);
     }
     c.matched += prefix[k];
     c.blocks += k as u32;
-    c.oldest_seen = oldest;
-    c.tier = tier;
 }
 
 fn sort_scores(scores: &mut [ReplicaScore]) {

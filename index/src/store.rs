@@ -50,6 +50,7 @@ use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use crate::catalog::{PartitionId, ReplicaId};
+use crate::model::BlockHashes;
 use crate::table::{KeyTable, Probe};
 
 /// Blocks one run holds at most.
@@ -281,6 +282,19 @@ impl RunData {
     }
 }
 
+/// A row's leading stretch of held cells (see [`Body::held_stretch`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stretch {
+    /// Held cells from the first position on.
+    pub blocks: usize,
+    /// Oldest last-seen second among them (`u32::MAX` for none).
+    pub oldest: u32,
+    /// Coldest tier among them (0 for none).
+    pub tier: u8,
+    /// A cell not held ended the stretch before the range's end.
+    pub ended: bool,
+}
+
 /// A run's rows, sorted by replica id.
 type Rows = SmallVec<[Row; 4]>;
 
@@ -368,6 +382,82 @@ impl Body {
             .cells(self.rows[row].slot as usize, pos, len)
             .iter()
             .map(|c| Cell(c.load(Ordering::Relaxed)))
+    }
+
+    /// The held stretch of row `row` over positions `from..to`: how many
+    /// cells from `from` on are held (the first one not held ends it), their
+    /// oldest last-seen second and their coldest (highest) tier.
+    pub fn held_stretch(&self, row: usize, from: usize, to: usize) -> Stretch {
+        let cells = self.data.cells(self.rows[row].slot as usize, from, to);
+        // Four lanes, so the min / max chains do not wait on each other.
+        let mut oldest = [u32::MAX; 4];
+        let mut tier = [0u8; 4];
+        let mut k = 0;
+        let mut quads = cells.chunks_exact(4);
+        for quad in quads.by_ref() {
+            let words = [
+                quad[0].load(Ordering::Relaxed),
+                quad[1].load(Ordering::Relaxed),
+                quad[2].load(Ordering::Relaxed),
+                quad[3].load(Ordering::Relaxed),
+            ];
+            if words.iter().any(|&w| !Cell(w).held()) {
+                break;
+            }
+            for lane in 0..4 {
+                oldest[lane] = oldest[lane].min(Cell(words[lane]).last_seen());
+                tier[lane] = tier[lane].max(Cell(words[lane]).tier());
+            }
+            k += 4;
+        }
+        let mut oldest = oldest.into_iter().min().unwrap_or(u32::MAX);
+        let mut tier = tier.into_iter().max().unwrap_or(0);
+        let mut ended = false;
+        for cell in &cells[k..] {
+            let cell = Cell(cell.load(Ordering::Relaxed));
+            if !cell.held() {
+                ended = true;
+                break;
+            }
+            oldest = oldest.min(cell.last_seen());
+            tier = tier.max(cell.tier());
+            k += 1;
+        }
+        Stretch {
+            blocks: k,
+            oldest,
+            tier,
+            ended: ended || k < cells.len(),
+        }
+    }
+
+    /// How many positions from `pos` (which holds request block `at`) the
+    /// request follows this run: 1 plus the following blocks whose hashes
+    /// equal the run's next positions, up to the published length `len`.
+    pub fn follow(&self, pos: usize, len: usize, request: BlockHashes<'_>, at: usize) -> usize {
+        let n = request.len();
+        let mut m = 1;
+        if self.data.wide.is_none() {
+            let stored = &self.data.words[HEAD + pos..HEAD + len];
+            while at + m < n && m < stored.len() {
+                let Ok(bytes) = <[u8; 8]>::try_from(request.get(at + m)) else {
+                    break;
+                };
+                if stored[m].load(Ordering::Relaxed) != u64::from_be_bytes(bytes) {
+                    break;
+                }
+                m += 1;
+            }
+            return m;
+        }
+        while at + m < n && pos + m < len {
+            let hash = HashRef::from_bytes(request.get(at + m));
+            if !self.holds(pos + m, hash, hash.word()) {
+                break;
+            }
+            m += 1;
+        }
+        m
     }
 
     /// Starts loading the first cells from `pos` of the first rows and the
