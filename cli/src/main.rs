@@ -191,3 +191,28 @@ async fn run() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inference_cache_server::ReplicationSettings;
+
+    fn serve_config(args: &[&str]) -> ServeConfig {
+        let argv = ["inference-cache", "serve"].iter().chain(args);
+        match Cli::try_parse_from(argv).expect("flags parse").command {
+            Command::Serve(args) => args.into_config(),
+            other => panic!("not serve: {other:?}"),
+        }
+    }
+
+    /// Every flag's default and the library's `Default` come from the same constants.
+    #[test]
+    fn serve_without_flags_is_the_default_configuration() {
+        assert_eq!(serve_config(&[]), ServeConfig::default());
+        let with_log = serve_config(&["--nats-url", "nats://127.0.0.1:4222"]);
+        assert_eq!(
+            with_log.replication,
+            Some(ReplicationSettings::new("nats://127.0.0.1:4222"))
+        );
+    }
+}

@@ -44,6 +44,11 @@ pub const SEED: u64 = 1337;
 /// Length in bytes of a prefix hash on the wire.
 pub const WIRE_LEN: usize = 8;
 
+/// Tokens per KV block unless configured (vLLM's default): the default of
+/// `inference-cache serve --engine-block-size` and of `inference-cache
+/// subscribe --block-size`, which must agree.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
 /// Blocks of up to this many tokens are hashed from a stack buffer in one shot.
 const STACK_TOKENS: usize = 128;
 

@@ -86,6 +86,9 @@ pub fn tune_allocator() {
 use crate::replication::LogSink;
 use crate::streams::{StreamArgs, StreamSettings, Streams};
 
+/// Default `--sweep-interval`.
+pub const DEFAULT_SWEEP_INTERVAL: &str = "10s";
+
 /// Flags of the cache index, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct IndexArgs {
@@ -102,11 +105,11 @@ pub struct IndexArgs {
     pub max_holders_per_key: u32,
 
     /// Engine KV block size used to fingerprint token_ids (must match the engines and the subscriber).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), env = "INFERENCE_CACHE_ENGINE_BLOCK_SIZE")]
+    #[arg(long, default_value_t = inference_cache_fingerprint::DEFAULT_BLOCK_SIZE, value_parser = clap::value_parser!(u32).range(1..), env = "INFERENCE_CACHE_ENGINE_BLOCK_SIZE")]
     pub engine_block_size: u32,
 
     /// Interval of the background TTL / capacity sweep (e.g. 10s, 1m).
-    #[arg(long, default_value = "10s", value_parser = parse_interval, env = "INFERENCE_CACHE_SWEEP_INTERVAL")]
+    #[arg(long, default_value = DEFAULT_SWEEP_INTERVAL, value_parser = parse_interval, env = "INFERENCE_CACHE_SWEEP_INTERVAL")]
     pub sweep_interval: Duration,
 
     /// StreamCacheEvents / StreamMetrics flags.
@@ -186,8 +189,8 @@ impl Default for IndexSettings {
             policy_file: None,
             max_index_entries: inference_cache_index::DEFAULT_MAX_ENTRIES,
             max_holders_per_key: inference_cache_index::DEFAULT_MAX_HOLDERS_PER_KEY,
-            engine_block_size: 16,
-            sweep_interval: Duration::from_secs(10),
+            engine_block_size: inference_cache_fingerprint::DEFAULT_BLOCK_SIZE as usize,
+            sweep_interval: parse_interval(DEFAULT_SWEEP_INTERVAL).unwrap_or_default(),
             streams: StreamSettings::default(),
             clock: ClockHandle::default(),
         }

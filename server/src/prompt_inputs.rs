@@ -41,6 +41,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::prompt_templates::{RenderError, RenderedPrompt, TemplateStore};
 
+/// Default `--tokenize-timeout`.
+pub const DEFAULT_TOKENIZE_TIMEOUT: &str = "200ms";
+/// Default `--templates-dir` (relative to the working directory).
+pub const DEFAULT_TEMPLATES_DIR: &str = "templates";
+
 /// Flags of the tokenizer and template inputs, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PromptArgs {
@@ -51,13 +56,13 @@ pub struct PromptArgs {
     pub tokenizer_models_dir: Option<PathBuf>,
 
     /// Upper bound on server-side tokenization when the tenant's policy sets no lookupTimeoutMs.
-    #[arg(long, default_value = "200ms", value_parser = parse_timeout, env = "INFERENCE_CACHE_TOKENIZE_TIMEOUT")]
+    #[arg(long, default_value = DEFAULT_TOKENIZE_TIMEOUT, value_parser = parse_timeout, env = "INFERENCE_CACHE_TOKENIZE_TIMEOUT")]
     pub tokenize_timeout: Duration,
 
     /// PromptTemplate directory served by RenderTemplate; re-read on change and on SIGHUP.
     #[arg(
         long,
-        default_value = "templates",
+        default_value = DEFAULT_TEMPLATES_DIR,
         env = "INFERENCE_CACHE_TEMPLATES_DIR"
     )]
     pub templates_dir: PathBuf,
@@ -97,8 +102,8 @@ impl Default for PromptSettings {
     fn default() -> Self {
         Self {
             tokenizer_models_dir: None,
-            tokenize_timeout: Duration::from_millis(200),
-            templates_dir: Some(PathBuf::from("templates")),
+            tokenize_timeout: parse_timeout(DEFAULT_TOKENIZE_TIMEOUT).unwrap_or_default(),
+            templates_dir: Some(PathBuf::from(DEFAULT_TEMPLATES_DIR)),
         }
     }
 }

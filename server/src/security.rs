@@ -10,6 +10,10 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 /// A TLS handshake that has not finished by then is dropped, so idle
 /// half-open connections cannot pile up.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default `--admin-snapshot`.
+pub const DEFAULT_ADMIN_SNAPSHOT: bool = true;
+/// Default `--admin-policy`.
+pub const DEFAULT_ADMIN_POLICY: bool = true;
 
 /// Flags of TLS, authentication and admin exposure, flattened into `inference-cache serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -36,11 +40,11 @@ pub struct SecurityArgs {
     pub allow_unauthenticated_producers: bool,
 
     /// Serve GET /snapshot (every tenant's index contents) on the admin listener.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "INFERENCE_CACHE_ADMIN_SNAPSHOT")]
+    #[arg(long, default_value_t = DEFAULT_ADMIN_SNAPSHOT, action = clap::ArgAction::Set, env = "INFERENCE_CACHE_ADMIN_SNAPSHOT")]
     pub admin_snapshot: bool,
 
     /// Serve GET /policy on the admin listener.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "INFERENCE_CACHE_ADMIN_POLICY")]
+    #[arg(long, default_value_t = DEFAULT_ADMIN_POLICY, action = clap::ArgAction::Set, env = "INFERENCE_CACHE_ADMIN_POLICY")]
     pub admin_policy: bool,
 }
 
@@ -96,8 +100,8 @@ impl Default for SecuritySettings {
             tls: None,
             auth_file: None,
             allow_unauthenticated_producers: false,
-            admin_snapshot: true,
-            admin_policy: true,
+            admin_snapshot: DEFAULT_ADMIN_SNAPSHOT,
+            admin_policy: DEFAULT_ADMIN_POLICY,
         }
     }
 }

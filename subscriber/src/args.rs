@@ -14,6 +14,33 @@ use std::time::Duration;
 
 use clap::Parser;
 
+/// Default `--endpoint`: vLLM's default KV-event publisher on this host.
+pub const DEFAULT_ENDPOINT: &str = "tcp://127.0.0.1:5557";
+/// Default `--topic`: every topic.
+pub const DEFAULT_TOPIC: &str = "";
+/// Default `--server`.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:9090";
+/// Default `--hash-scheme`.
+pub const DEFAULT_HASH_SCHEME: &str = "vllm";
+/// Default `--block-size` (the server's `--engine-block-size` default too).
+pub const DEFAULT_BLOCK_SIZE: u32 = inference_cache_fingerprint::DEFAULT_BLOCK_SIZE;
+/// Default `--buffer-size`.
+pub const DEFAULT_BUFFER_SIZE: usize = 200_000;
+/// Default `--max-tracked-blocks`.
+pub const DEFAULT_MAX_TRACKED_BLOCKS: usize = 1_000_000;
+/// Default `--max-blocks-per-update`.
+pub const DEFAULT_MAX_BLOCKS_PER_UPDATE: usize = 4096;
+/// Default `--replay-timeout`.
+pub const DEFAULT_REPLAY_TIMEOUT: &str = "2s";
+/// Default `--refresh-interval`.
+pub const DEFAULT_REFRESH_INTERVAL: &str = "10m";
+/// Default `--heartbeat-interval`.
+pub const DEFAULT_HEARTBEAT_INTERVAL: &str = "5s";
+/// Default `--metrics-interval`.
+pub const DEFAULT_METRICS_INTERVAL: &str = "1s";
+/// Default `--metrics-listen`.
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9091";
+
 /// Flags of `inference-cache subscribe`: which engine to listen to, which
 /// server to report to, and under which identity.
 #[derive(Debug, Clone, clap::Args)]
@@ -24,7 +51,7 @@ pub struct SubscribeArgs {
         long = "endpoint",
         env = "KV_EVENTS_ENDPOINTS",
         value_delimiter = ',',
-        default_value = "tcp://127.0.0.1:5557"
+        default_value = DEFAULT_ENDPOINT
     )]
     pub endpoints: Vec<String>,
 
@@ -38,14 +65,14 @@ pub struct SubscribeArgs {
     pub replay_endpoints: Vec<String>,
 
     /// ZMQ topic prefix to subscribe to (empty: every topic).
-    #[arg(long, env = "KV_EVENTS_TOPIC", default_value = "")]
+    #[arg(long, env = "KV_EVENTS_TOPIC", default_value = DEFAULT_TOPIC)]
     pub topic: String,
 
     /// Address of the inference-cache gRPC server.
     #[arg(
         long = "server",
         env = "INFERENCE_CACHE_SERVER",
-        default_value = "http://127.0.0.1:9090"
+        default_value = DEFAULT_SERVER
     )]
     pub server: String,
 
@@ -62,7 +89,7 @@ pub struct SubscribeArgs {
     pub model: String,
 
     /// Hash scheme (compatibility domain) the fingerprints are reported under.
-    #[arg(long, env = "HASH_SCHEME", default_value = "vllm")]
+    #[arg(long, env = "HASH_SCHEME", default_value = DEFAULT_HASH_SCHEME)]
     pub hash_scheme: String,
 
     /// Tokens per KV block; must equal the engine's block size and the
@@ -70,7 +97,7 @@ pub struct SubscribeArgs {
     /// `vllm:cache_config_info` (with `--engine-metrics-url`) and the
     /// `block_size` of its events; a mismatch is logged, exported as
     /// `inferencecache_subscriber_config_mismatch` and fails `/readyz`.
-    #[arg(long, env = "ENGINE_BLOCK_SIZE", default_value_t = 16)]
+    #[arg(long, env = "ENGINE_BLOCK_SIZE", default_value_t = DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
 
     /// Stable adapter names for the engine's LoRA ids, `id=name,...`
@@ -85,37 +112,37 @@ pub struct SubscribeArgs {
 
     /// Pending blocks and events held while the server is slow or away; the
     /// oldest are dropped (and counted) beyond this.
-    #[arg(long, env = "SUBSCRIBER_BUFFER_SIZE", default_value_t = 200_000)]
+    #[arg(long, env = "SUBSCRIBER_BUFFER_SIZE", default_value_t = DEFAULT_BUFFER_SIZE)]
     pub buffer_size: usize,
 
     /// Engine block hashes remembered for parent chaining and removals.
     #[arg(
         long,
         env = "SUBSCRIBER_MAX_TRACKED_BLOCKS",
-        default_value_t = 1_000_000
+        default_value_t = DEFAULT_MAX_TRACKED_BLOCKS
     )]
     pub max_tracked_blocks: usize,
 
     /// Most blocks carried by one CacheStateUpdate message.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = DEFAULT_MAX_BLOCKS_PER_UPDATE)]
     pub max_blocks_per_update: usize,
 
     /// How long to wait for each message of the engine's replay socket
     /// (connect, first reply, every next reply).
-    #[arg(long, default_value = "2s", value_parser = inference_cache_index::parse_duration)]
+    #[arg(long, default_value = DEFAULT_REPLAY_TIMEOUT, value_parser = inference_cache_index::parse_duration)]
     pub replay_timeout: Duration,
 
     /// How often every block still held is re-reported (keeping it inside
     /// the server's eviction TTL) along with a replica liveness event; `0s`
     /// disables it.
-    #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = "10m", value_parser = inference_cache_index::parse_duration)]
+    #[arg(long, env = "SUBSCRIBER_REFRESH_INTERVAL", default_value = DEFAULT_REFRESH_INTERVAL, value_parser = inference_cache_index::parse_duration)]
     pub refresh_interval: Duration,
 
     /// How often the replica's liveness is sent (`PublishEvent(REPLICA_UPDATED)`
     /// naming tenant and model). Keep it well below the server's
     /// `replicaTimeout` (default 30s), e.g. a sixth of it, or the replica
     /// drops out of the serving set between heartbeats; `0s` disables it.
-    #[arg(long, env = "SUBSCRIBER_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = inference_cache_index::parse_duration)]
+    #[arg(long, env = "SUBSCRIBER_HEARTBEAT_INTERVAL", default_value = DEFAULT_HEARTBEAT_INTERVAL, value_parser = inference_cache_index::parse_duration)]
     pub heartbeat_interval: Duration,
 
     /// The engine's Prometheus endpoint (`http://127.0.0.1:8000/metrics` for
@@ -126,7 +153,7 @@ pub struct SubscribeArgs {
 
     /// Scrape interval of `--engine-metrics-url`; each good scrape sends one
     /// stats-only `ReportCacheState` update.
-    #[arg(long, env = "ENGINE_METRICS_INTERVAL", default_value = "1s", value_parser = inference_cache_index::parse_duration)]
+    #[arg(long, env = "ENGINE_METRICS_INTERVAL", default_value = DEFAULT_METRICS_INTERVAL, value_parser = inference_cache_index::parse_duration)]
     pub metrics_interval: Duration,
 
     /// PEM CA bundle that verifies the server's certificate (`--server
@@ -160,7 +187,7 @@ pub struct SubscribeArgs {
     #[arg(
         long,
         env = "SUBSCRIBER_METRICS_LISTEN",
-        default_value = "0.0.0.0:9091"
+        default_value = DEFAULT_METRICS_LISTEN
     )]
     pub metrics_listen: String,
 }
@@ -457,7 +484,7 @@ pub struct EndpointSettings {
 }
 
 /// Validated subscriber configuration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     /// Publishers to subscribe to.
     pub endpoints: Vec<EndpointSettings>,
@@ -517,6 +544,48 @@ mod tests {
             "--model",
             "qwen",
         ]
+    }
+
+    /// The settings `base()` must resolve to: every other flag at its default constant.
+    fn defaults(replica_id: &str, tenant: &str, model: &str) -> Settings {
+        let duration = |text| inference_cache_index::parse_duration(text).expect("a duration");
+        let some_duration = |text| Some(duration(text)).filter(|d: &Duration| !d.is_zero());
+        Settings {
+            endpoints: vec![EndpointSettings {
+                endpoint: DEFAULT_ENDPOINT.to_owned(),
+                replay: None,
+            }],
+            topic: DEFAULT_TOPIC.to_owned(),
+            server: DEFAULT_SERVER.to_owned(),
+            replica_id: replica_id.to_owned(),
+            tenant: tenant.to_owned(),
+            model: model.to_owned(),
+            hash_scheme: DEFAULT_HASH_SCHEME.to_owned(),
+            block_size: DEFAULT_BLOCK_SIZE,
+            lora_names: HashMap::new(),
+            offload_tier: false,
+            buffer_size: DEFAULT_BUFFER_SIZE,
+            max_tracked_blocks: DEFAULT_MAX_TRACKED_BLOCKS,
+            max_blocks_per_update: DEFAULT_MAX_BLOCKS_PER_UPDATE,
+            replay_timeout: duration(DEFAULT_REPLAY_TIMEOUT),
+            refresh_interval: some_duration(DEFAULT_REFRESH_INTERVAL),
+            metrics_listen: Some(DEFAULT_METRICS_LISTEN.parse().expect("an address")),
+            heartbeat_interval: some_duration(DEFAULT_HEARTBEAT_INTERVAL),
+            engine_metrics_url: None,
+            metrics_interval: duration(DEFAULT_METRICS_INTERVAL),
+            tls: None,
+            token_file: None,
+        }
+    }
+
+    /// Only the engine's identity given: every flag at its default constant.
+    #[test]
+    fn subscribe_without_optional_flags_is_the_default_configuration() {
+        let settings = SubscribeArgs::try_parse_from(base())
+            .expect("parse")
+            .resolve()
+            .expect("resolve");
+        assert_eq!(settings, defaults("r1", "team-a", "qwen"));
     }
 
     #[test]
