@@ -407,11 +407,21 @@ impl Default for ReuseCounts {
 }
 
 impl ReuseCounts {
+    /// Starts loading the slot of the block `bytes` (a chain hash), so that
+    /// a [`bump`](Self::bump) of it soon after finds it in cache.
+    pub fn prefetch(&self, bytes: &[u8]) {
+        crate::store::prefetch(self.slot(seed_of(bytes)).0);
+    }
+
+    fn slot(&self, hash: u64) -> (&AtomicU64, u64) {
+        let h = mix(hash);
+        (&self.slots[(h as usize) & (REUSE_SLOTS - 1)], h)
+    }
+
     /// Counts one more request whose match ended at `hash`; returns how many
     /// did before.
     pub fn bump(&self, hash: u64) -> u32 {
-        let h = mix(hash);
-        let slot = &self.slots[(h as usize) & (REUSE_SLOTS - 1)];
+        let (slot, h) = self.slot(hash);
         let tag = h & !0xFFFF;
         let old = slot.load(Ordering::Relaxed);
         let before = if old & !0xFFFF == tag {

@@ -292,6 +292,16 @@ impl CacheIndex {
                 }
             }
         };
+        // The cost-aware ranker counts where the deepest match ends: start
+        // that counter's miss now.
+        if policy.ranker == Ranker::CostAware
+            && let Some(c) = chain
+        {
+            let deepest = cands.as_slice().iter().map(|c| c.blocks).max();
+            if let Some(d) = deepest.filter(|&d| d > 0 && d as usize <= c.hashes.len()) {
+                fleet.reuse.prefetch(c.hashes.get(d as usize - 1));
+            }
+        }
         // A replica that left or went silent is never named, and its
         // entries stop counting.
         cands.retain_live(&serving);
