@@ -27,6 +27,12 @@ const TOMB: u64 = 1;
 /// Smallest table.
 const MIN_SLOTS: usize = 16;
 
+/// Adds `delta` to a counter only the writer changes.
+fn bump(counter: &AtomicU64, delta: i64) {
+    let next = counter.load(Ordering::Relaxed).wrapping_add_signed(delta);
+    counter.store(next, Ordering::Relaxed);
+}
+
 /// The tag a key's slot carries (upper 32 bits), which also fixes its home slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Probe {
@@ -124,9 +130,10 @@ impl KeyTable {
             let word = slot.load(Ordering::Relaxed);
             if word == EMPTY || word == TOMB {
                 slot.store(probe.tag | u64::from(loc), Ordering::Release);
-                self.live.fetch_add(1, Ordering::Relaxed);
+                // One writer: a load and a store, not a locked add.
+                bump(&self.live, 1);
                 if word == EMPTY {
-                    self.used.fetch_add(1, Ordering::Relaxed);
+                    bump(&self.used, 1);
                 }
                 return;
             }
@@ -144,7 +151,7 @@ impl KeyTable {
                 EMPTY => return false,
                 word if word == want => {
                     slot.store(TOMB, Ordering::Release);
-                    self.live.fetch_sub(1, Ordering::Relaxed);
+                    bump(&self.live, -1);
                     return true;
                 }
                 _ => {}
