@@ -10,13 +10,16 @@
 //!               from r's last stats if younger than loadStatsMaxAge;
 //!               unknown otherwise → the mean of the members whose load is known
 //! pending(r)  = uncached tokens this index hinted to r since those stats
-//! excess(r)   = recent requests to r past loadBound × their mean + 1,
-//!               × mean request tokens (a decayed count, see below),
+//! excess(r)   = recent(r) past its bound, × mean request tokens
 //!               × continuationWeight when the request continues a
-//!               conversation
+//!               conversation (recent: a decayed count, see below)
+//! bound       = mean recent requests          for a new session
+//!               loadBound × that mean + 1     for a continuation
+//!               that mean + 1                 with no distinguishing match
 //! busy        = mean load / mean request tokens (queued requests per member)
-//! cost(r)     = (1 + contentionWeight × busy) × uncached(r)
-//!               + loadWeight × (load(r) + excess(r))
+//! full(r)     = r's recent evictions / its recent stores, at most 1
+//! cost(r)     = (1 + contentionWeight × busy + fullCacheWeight × full(r))
+//!               × uncached(r) + loadWeight × (load(r) + excess(r))
 //! ```
 //!
 //! The contention factor makes recomputation dearer as the fleet fills up:
@@ -31,7 +34,17 @@
 //! at least [`BRANCH_POINT_REQUESTS`] earlier requests' matches also ended (a
 //! branch point: shared) or not (the end of this conversation's previous
 //! turn, or a fork of it by a few parallel tool calls). [`ReuseCounts`] keeps
-//! those counts; a continuation feels the excess at `continuationWeight`.
+//! those counts. A new session feels every request its member took above
+//! the mean (sessions are the unit that balances: a replica ahead gets no
+//! new ones until the others catch up), a continuation only those past the
+//! `loadBound`, and at `continuationWeight`.
+//!
+//! The full-cache factor weighs duplication: a member whose every stored
+//! block evicts one (its producer reports as many evictions as stores) pays
+//! for a copied prefix with blocks later requests would have reused, so
+//! where caches are small a session stays with the holder of its prefix.
+//! Stores and evictions are counted per replica as the index applies them,
+//! halving every minute.
 //!
 //! The *common depth* is the longest run of blocks that more than half of the
 //! live members hold (a system prompt, a tool preamble): holding it tells
@@ -43,9 +56,9 @@
 //! Otherwise nothing distinguishes a member, and the request goes by
 //! rendezvous hashing of its first block past the common depth — the first
 //! block of the session's own content, the same on every turn — over the
-//! members whose load is at most `loadBound × mean load + max(request, mean
-//! request)` tokens and whose recent requests (a count halving every
-//! `balanceHalfLife`) are at most `loadBound × their mean + 1`:
+//! members whose cost is within `(loadBound − 1) × max(request, mean
+//! request)` tokens of the least and whose recent requests (a count halving
+//! every `balanceHalfLife`) are at most `loadBound × their mean + 1`:
 //! deterministic, even even when every replica is idle, and bounded by load
 //! (AFFINITY_HINT, or NO_HINT when affinity routing is disabled).
 //!
@@ -90,6 +103,8 @@ pub(crate) struct MemberCost {
     pub blocks: u32,
     pub oldest_seen: u32,
     pub tier: u8,
+    /// How full its cache runs (see `ReplicaRecord::churn`).
+    pub churn: f64,
     pub cost: f64,
 }
 
@@ -148,6 +163,7 @@ impl CacheIndex {
                 replica,
                 load: queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64,
                 assigned: record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms)),
+                churn: record.map_or(0.0, |r| r.churn(ctx.now_ms)),
                 ..MemberCost::default()
             });
         }
@@ -159,6 +175,18 @@ impl CacheIndex {
         }
         members
     }
+}
+
+/// Whether a request continues one conversation or starts a session from a
+/// shared prefix (or from nothing): moving the first recomputes its whole
+/// context, moving the second copies a shared prefix once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RequestKind {
+    Continuation,
+    NewSession,
+    /// Nothing distinguishing matched: rendezvous hashing places it, and the
+    /// balance bound keeps every member it could land on eligible.
+    Unmatched,
 }
 
 /// Members with their match and cost filled in, and where the common depth ends.
@@ -177,7 +205,7 @@ fn cost_view(
     chain: Option<Chain<'_>>,
     request_tokens: i64,
     mean_tokens: f64,
-    excess_weight: f64,
+    kind: RequestKind,
 ) -> Option<CostView> {
     if members.is_empty() {
         return None;
@@ -191,10 +219,18 @@ fn cost_view(
             m.tier = c.tier;
         }
     }
-    // Recent requests past the balance bound count as queued requests.
+    // Recent requests past the balance bound count as queued requests (see
+    // the module notes).
     let n = members.len() as f64;
     let mean_assigned = members.iter().map(|m| m.assigned).sum::<f64>() / n;
-    let assigned_limit = policy.load_bound * mean_assigned + 1.0;
+    let (assigned_limit, excess_weight) = match kind {
+        RequestKind::NewSession => (mean_assigned, 1.0),
+        RequestKind::Continuation => (
+            policy.load_bound * mean_assigned + 1.0,
+            policy.continuation_weight,
+        ),
+        RequestKind::Unmatched => (mean_assigned + 1.0, 1.0),
+    };
     // Recomputing a prefix is work every request queued behind it waits
     // for: the busier the fleet, the more an uncached token costs.
     let mean_load = members.iter().map(|m| m.load).sum::<f64>() / n;
@@ -207,7 +243,8 @@ fn cost_view(
     for m in members.iter_mut() {
         let excess = (m.assigned - assigned_limit).max(0.0) * mean_tokens * excess_weight;
         let uncached = (request_tokens - m.matched).max(0) as f64;
-        m.cost = uncached_weight * uncached + policy.load_weight * (m.load + excess);
+        let weight = uncached_weight + policy.full_cache_weight * m.churn;
+        m.cost = weight * uncached + policy.load_weight * (m.load + excess);
     }
     let mut best = 0;
     for (i, m) in members.iter().enumerate() {
@@ -262,10 +299,10 @@ pub(crate) fn rank_by_cost(
         }
         _ => 1,
     };
-    let excess_weight = if reused < BRANCH_POINT_REQUESTS {
-        policy.continuation_weight
+    let kind = if reused < BRANCH_POINT_REQUESTS {
+        RequestKind::Continuation
     } else {
-        1.0
+        RequestKind::NewSession
     };
     let Some(view) = cost_view(
         policy,
@@ -274,7 +311,7 @@ pub(crate) fn rank_by_cost(
         chain,
         request_tokens,
         mean_tokens,
-        excess_weight,
+        kind,
     ) else {
         return Ranked::DOWNGRADED;
     };
@@ -351,7 +388,7 @@ pub(crate) fn bounded_affinity(
         chain,
         request_tokens,
         mean_tokens,
-        1.0,
+        RequestKind::Unmatched,
     )?;
     let seed = match chain {
         Some(c) if !c.hashes.is_empty() => {

@@ -57,7 +57,34 @@ pub(crate) struct ReplicaRecord {
     /// when that count was last updated (ms).
     assigned: AtomicU64,
     assigned_at_ms: AtomicU64,
+    /// Entries it reported stored and evicted recently (decayed counts).
+    stored: Decayed,
+    evicted: Decayed,
 }
+
+/// A count that halves every half-life (`f64` bits) and when it last moved.
+#[derive(Debug, Default)]
+struct Decayed {
+    value: AtomicU64,
+    at_ms: AtomicU64,
+}
+
+impl Decayed {
+    fn get(&self, now_ms: u64, half_life_ms: u64) -> f64 {
+        let value = f64::from_bits(self.value.load(Ordering::Relaxed));
+        let at = self.at_ms.load(Ordering::Relaxed);
+        value * decay(now_ms.saturating_sub(at), half_life_ms)
+    }
+
+    fn add(&self, now_ms: u64, half_life_ms: u64, amount: f64) {
+        let next = self.get(now_ms, half_life_ms) + amount;
+        self.value.store(next.to_bits(), Ordering::Relaxed);
+        self.at_ms.store(now_ms, Ordering::Relaxed);
+    }
+}
+
+/// Half-life of the stored and evicted counts behind [`ReplicaRecord::churn`].
+const CHURN_HALF_LIFE_MS: u64 = 60_000;
 
 impl ReplicaRecord {
     /// Last update or event from it (ms).
@@ -101,6 +128,26 @@ impl ReplicaRecord {
         }
         let at = self.assigned_at_ms.load(Ordering::Relaxed);
         value * decay(now_ms.saturating_sub(at), half_life_ms)
+    }
+
+    /// Notes entries it reported stored (`stored`) or evicted.
+    pub fn note_churn(&self, now_ms: u64, stored: u64, evicted: u64) {
+        if stored > 0 {
+            self.stored.add(now_ms, CHURN_HALF_LIFE_MS, stored as f64);
+        }
+        if evicted > 0 {
+            self.evicted.add(now_ms, CHURN_HALF_LIFE_MS, evicted as f64);
+        }
+    }
+
+    /// How full its cache runs: recent evictions per recent store, in
+    /// [0, 1] (0 while it only grows; near 1 once every store evicts).
+    pub fn churn(&self, now_ms: u64) -> f64 {
+        let stored = self.stored.get(now_ms, CHURN_HALF_LIFE_MS);
+        if stored < 1.0 {
+            return 0.0;
+        }
+        (self.evicted.get(now_ms, CHURN_HALF_LIFE_MS) / stored).min(1.0)
     }
 
     /// Counts one request just hinted to it. Concurrent callers may lose an

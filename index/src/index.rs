@@ -443,6 +443,11 @@ impl CacheIndex {
             }
             self.apply(&deltas);
         }
+        if report.entries_added > 0
+            && let Some(record) = self.fleet.read().records.get(&replica)
+        {
+            record.note_churn(now_ms, report.entries_added, 0);
+        }
         report.holders_displaced = displaced.len() as u64;
         self.count_evictions(EvictionReason::HoldersPerKey, report.holders_displaced);
         if report.entries_refused > 0 {
@@ -688,7 +693,13 @@ impl CacheIndex {
         }
         self.apply(&deltas);
         drop(w);
-        -deltas.total_entries() as u64
+        let removed = -deltas.total_entries() as u64;
+        if removed > 0
+            && let Some(record) = self.fleet.read().records.get(&replica)
+        {
+            record.note_churn(self.now_ms(), 0, removed);
+        }
+        removed
     }
 
     fn clear_replica(&self, event: &CacheEvent) -> u64 {

@@ -149,6 +149,11 @@ pub struct CachePolicy {
     /// a conversation (its deepest match ends where no earlier request's
     /// did), against 1 for a request that starts from a shared prefix.
     pub continuation_weight: f64,
+    /// CostAware: how much dearer an uncached token gets on a member whose
+    /// cache is full (every block it stores evicts one; measured from its
+    /// recent stores and evictions): copying a prefix there pushes out
+    /// blocks that later requests would have reused.
+    pub full_cache_weight: f64,
     /// Shadow mode: lookups are answered and ranked as usual, but the answer
     /// says `shadow`, so gateways do not route on it; they still report the
     /// outcome, which shows what routing would have gained.
@@ -182,6 +187,7 @@ impl Default for CachePolicy {
             balance_half_life: Duration::from_secs(180),
             contention_weight: 0.25,
             continuation_weight: 0.2,
+            full_cache_weight: 3.0,
             shadow: false,
         }
     }
@@ -368,6 +374,7 @@ struct RawSpec {
     balance_half_life: Option<String>,
     contention_weight: Option<Number>,
     continuation_weight: Option<Number>,
+    full_cache_weight: Option<Number>,
     shadow: Option<bool>,
 }
 
@@ -605,6 +612,9 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
             ));
         }
         policy.continuation_weight = weight;
+    }
+    if let Some(v) = spec.full_cache_weight {
+        policy.full_cache_weight = decimal("spec.fullCacheWeight", v)?;
     }
     if let Some(v) = spec.shadow {
         policy.shadow = v;

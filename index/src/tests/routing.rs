@@ -501,3 +501,67 @@ fn every_answer_says_what_decided_it() {
     let names: std::collections::HashSet<&str> = Decision::ALL.iter().map(|d| d.as_str()).collect();
     assert_eq!(names.len(), Decision::ALL.len());
 }
+
+/// New sessions branching off a preamble only `a` holds, over members a–d
+/// whose caches are full (every block stored evicted one) or not; returns
+/// how many of 40 left `a`.
+fn new_sessions_leaving_the_holder(full_caches: bool, full_cache_weight: &str) -> usize {
+    let f = fixture();
+    f.policy(&format!(
+        "  ranker: CostAware\n  fullCacheWeight: \"{full_cache_weight}\"\n"
+    ));
+    let members = ["a", "b", "c", "d"];
+    for (i, r) in members.into_iter().enumerate() {
+        announce(&f, r);
+        if full_caches {
+            // The engine's own churn: blocks stored, then evicted for others.
+            let filler = chain(50_000 + i as u64 * 10_000..50_400 + i as u64 * 10_000);
+            f.hold(r, &filler);
+            for block in filler {
+                f.index.publish(&CacheEvent {
+                    kind: EventKind::PrefixEvicted,
+                    replica_id: r.into(),
+                    model_id: M.into(),
+                    tenant_id: T.into(),
+                    prefix_hash: block,
+                    adapter_id: String::new(),
+                });
+            }
+        }
+    }
+    let preamble = chain(1..11);
+    f.hold("a", &preamble);
+    let mut elsewhere = 0;
+    for i in 0..40u64 {
+        f.clock.advance(Duration::from_millis(500));
+        for r in members {
+            load(&f, r, 0, 0);
+        }
+        let mut session = preamble.clone();
+        session.extend(chain(10_000 + i * 10..10_004 + i * 10));
+        let o = f.lookup_chain(&session);
+        let to = o.scores[0].replica_id.to_string();
+        f.hold(&to, &session);
+        elsewhere += usize::from(to != "a");
+    }
+    elsewhere
+}
+
+#[test]
+fn full_caches_keep_new_sessions_with_the_holder_of_their_prefix() {
+    // Caches with room: copying the preamble once lets sessions spread.
+    let roomy = new_sessions_leaving_the_holder(false, "3");
+    // Full caches: a copy evicts blocks others would reuse, so fewer leave,
+    // and the full-cache weight is what keeps them.
+    let full = new_sessions_leaving_the_holder(true, "3");
+    let unweighted = new_sessions_leaving_the_holder(true, "0");
+    assert_eq!(
+        unweighted, roomy,
+        "without the weight, fullness changes nothing"
+    );
+    assert!(
+        full < roomy,
+        "{full} of 40 left a with full caches, {roomy} with room"
+    );
+    assert!(full > 0, "balance still moves some sessions");
+}
