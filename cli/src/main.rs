@@ -113,23 +113,11 @@ fn init_logging(format: LogFormat, default_level: &str) {
     }
 }
 
-/// Installs the SIGINT and SIGTERM handlers now; the future resolves when one arrives.
-fn termination_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
-        }
-    })
-}
-
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Installed before the listeners bind: a SIGTERM right after start-up
     // runs the shutdown sequence instead of killing the process.
-    let signal = termination_signal().context("installing signal handlers")?;
+    let signal =
+        inference_cache_runtime::termination_signal().context("installing signal handlers")?;
     let server = start(args.into_config()).await?;
     let token = server.shutdown_token();
     tokio::spawn(async move {

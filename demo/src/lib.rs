@@ -376,7 +376,7 @@ pub async fn run(args: DemoArgs, server: PolicyServer) -> anyhow::Result<DemoRep
     }
     if args.open {
         println!("results page: {url} (Ctrl-C to exit)");
-        let _ = tokio::signal::ctrl_c().await;
+        inference_cache_runtime::termination_signal()?.await;
     }
     page_task.abort();
     Ok(DemoReport {

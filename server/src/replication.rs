@@ -53,6 +53,7 @@ use futures::stream::FuturesOrdered;
 use futures::{Future, StreamExt as _};
 use inference_cache_index::{self as index, Clock};
 use inference_cache_proto::v1alpha1::{CacheEvent, CacheStateUpdate, ReplicaStats};
+use inference_cache_runtime::Backoff;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -88,6 +89,8 @@ pub const DEFAULT_CATCH_UP_TIMEOUT: &str = "5m";
 /// Default `--nats-ack-timeout`.
 pub const DEFAULT_ACK_TIMEOUT: &str = "5s";
 
+/// The first wait of the publisher and consumer before retrying after an error.
+const INITIAL_BACKOFF: Duration = Duration::from_millis(50);
 /// How long the publisher and consumer wait before retrying after an error, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -853,8 +856,8 @@ impl Log {
 
     /// Drains the queue into JetStream, everything queued at once in one
     /// message (see [`gather`]): up to `max_in_flight` unacknowledged
-    /// publishes; a failed one is retried (same message id) after a backoff
-    /// that doubles up to [`MAX_BACKOFF`] while failures go on.
+    /// publishes; a failed one is retried (same message id) after a jittered
+    /// backoff that doubles up to [`MAX_BACKOFF`] while failures go on.
     async fn publish_loop(&self, mut rx: mpsc::Receiver<LogEntry>, stop: CancellationToken) {
         let window = self.settings.max_in_flight;
         let mut in_flight: FuturesOrdered<AckFuture> = FuturesOrdered::new();
@@ -862,6 +865,7 @@ impl Log {
         let mut held: Option<LogEntry> = None;
         // Appends in the messages of `in_flight`.
         let mut unacked: u64 = 0;
+        let mut backoff = Backoff::new(INITIAL_BACKOFF, MAX_BACKOFF);
         let mut delay = Duration::ZERO;
         let mut waiting = false;
         let mut n: u64 = 0;
@@ -895,11 +899,11 @@ impl Log {
                     unacked -= out.records;
                     if ok {
                         self.metrics.published.inc_by(out.records);
-                        delay = Duration::ZERO;
+                        backoff.reset();
                     } else {
                         self.metrics.publish_failures.inc();
                         retry.push_back(out);
-                        delay = (delay * 2).clamp(Duration::from_millis(50), MAX_BACKOFF);
+                        delay = backoff.next_delay();
                         waiting = true;
                     }
                 }
@@ -985,7 +989,7 @@ impl Log {
     }
 
     /// Reads the stream from `next_sequence` and applies it, forever: on any
-    /// error the consumer is reopened where it stopped, after a backoff.
+    /// error the consumer is reopened where it stopped, after a jittered backoff.
     async fn consume_loop(
         &self,
         state: Arc<IndexState>,
@@ -994,7 +998,7 @@ impl Log {
         stop: CancellationToken,
     ) {
         let mut next_sequence: u64 = 1;
-        let mut backoff = Duration::from_millis(50);
+        let mut backoff = Backoff::new(INITIAL_BACKOFF, MAX_BACKOFF);
         let mut warned = false;
         loop {
             let opened = tokio::select! {
@@ -1013,14 +1017,13 @@ impl Log {
                     }
                     tokio::select! {
                         () = stop.cancelled() => return,
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
                     }
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
                     continue;
                 }
             };
             self.metrics.consumer_restarts.inc();
-            backoff = Duration::from_millis(50);
+            backoff.reset();
             warned = false;
             if target < next_sequence {
                 catch_up.finish(&self.metrics, &clock, false);
@@ -1060,7 +1063,7 @@ impl Log {
             }
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(backoff.next_delay()) => {}
             }
         }
     }

@@ -244,52 +244,13 @@ pub async fn run(args: SubscribeArgs) -> anyhow::Result<()> {
     let settings = args.resolve()?;
     // Signal handlers first: a signal that arrives while starting is not lost
     // (nor does it kill the process without the goodbye).
-    let signal = ShutdownSignal::install()?;
+    let signal = inference_cache_runtime::termination_signal()?;
     let subscriber = Subscriber::start(settings).await?;
     if let Some(addr) = subscriber.metrics_addr() {
         tracing::info!(%addr, "serving subscriber /metrics");
     }
-    signal.wait().await;
+    signal.await;
     tracing::info!("shutting down the KV-event subscriber");
     subscriber.shutdown().await;
     Ok(())
-}
-
-/// SIGTERM and SIGINT, registered at once.
-struct ShutdownSignal {
-    #[cfg(unix)]
-    terminate: tokio::signal::unix::Signal,
-    #[cfg(unix)]
-    interrupt: tokio::signal::unix::Signal,
-}
-
-impl ShutdownSignal {
-    fn install() -> std::io::Result<Self> {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            Ok(Self {
-                terminate: signal(SignalKind::terminate())?,
-                interrupt: signal(SignalKind::interrupt())?,
-            })
-        }
-        #[cfg(not(unix))]
-        {
-            Ok(Self {})
-        }
-    }
-
-    async fn wait(mut self) {
-        #[cfg(unix)]
-        {
-            tokio::select! {
-                _ = self.terminate.recv() => {}
-                _ = self.interrupt.recv() => {}
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }

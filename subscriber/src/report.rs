@@ -9,7 +9,7 @@
 //! server has ingested every earlier store before it sees a removal.
 //!
 //! Failures never crash the process: a failed call drops the connection,
-//! waits with capped exponential backoff, reconnects and asks the pipeline
+//! waits with capped, jittered exponential backoff, reconnects and asks the pipeline
 //! for a resync (Clear plus the whole tracked state), since the server may
 //! have restarted empty or lost messages in flight. A stream is kept open
 //! even when idle — a server restart breaks it, which is how the restart is
@@ -32,6 +32,7 @@ use inference_cache_fingerprint::encode;
 use inference_cache_proto::v1alpha1::{
     Ack, CacheEvent, CacheStateUpdate, CacheTier, PrefixEntry, ReplicaStats, cache_event,
 };
+use inference_cache_runtime::Backoff;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
@@ -138,14 +139,14 @@ impl Reporter {
                         }
                         if let Err(error) = result {
                             self.fail(&error);
-                            backoff.wait(&mut shutdown).await;
+                            backoff.wait(shutdown.changed()).await;
                             continue;
                         }
                     }
                     Err(error) => {
                         tracing::warn!(%error, server = %self.settings.server, "server unavailable");
                         self.metrics.server_errors.inc();
-                        backoff.wait(&mut shutdown).await;
+                        backoff.wait(shutdown.changed()).await;
                         continue;
                     }
                 }
@@ -154,7 +155,7 @@ impl Reporter {
                 self.stats_pending = false;
                 if let Err(error) = self.send_stats().await {
                     self.fail(&error);
-                    backoff.wait(&mut shutdown).await;
+                    backoff.wait(shutdown.changed()).await;
                     continue;
                 }
             }
@@ -166,7 +167,7 @@ impl Reporter {
                     Ok(()) => backoff.reset(),
                     Err(error) => {
                         self.fail(&error);
-                        backoff.wait(&mut shutdown).await;
+                        backoff.wait(shutdown.changed()).await;
                         continue;
                     }
                 }
@@ -179,7 +180,7 @@ impl Reporter {
                     Ok(()) => backoff.reset(),
                     Err(error) => {
                         self.fail(&error);
-                        backoff.wait(&mut shutdown).await;
+                        backoff.wait(shutdown.changed()).await;
                     }
                 }
                 continue;
@@ -202,7 +203,7 @@ impl Reporter {
                     };
                     if idle && let Err(error) = self.maintain_stream().await {
                         self.fail(&error);
-                        backoff.wait(&mut shutdown).await;
+                        backoff.wait(shutdown.changed()).await;
                     }
                     continue;
                 }
@@ -224,7 +225,7 @@ impl Reporter {
                 Ok(()) => backoff.reset(),
                 Err(error) => {
                     self.fail(&error);
-                    backoff.wait(&mut shutdown).await;
+                    backoff.wait(shutdown.changed()).await;
                 }
             }
         }
@@ -596,36 +597,4 @@ fn now_us() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
         .unwrap_or(0)
-}
-
-/// Capped exponential backoff that can be interrupted by shutdown.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    pub(crate) fn new(initial: Duration, max: Duration) -> Self {
-        Self {
-            initial,
-            max,
-            next: initial,
-        }
-    }
-
-    pub(crate) fn reset(&mut self) {
-        self.next = self.initial;
-    }
-
-    /// Sleeps for the current delay (or until shutdown), then doubles it.
-    pub(crate) async fn wait(&mut self, shutdown: &mut watch::Receiver<bool>) {
-        let delay = self.next;
-        self.next = (self.next * 2).min(self.max);
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            _ = shutdown.changed() => {}
-        }
-    }
 }

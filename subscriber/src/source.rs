@@ -19,13 +19,14 @@
 //! a long replay is not cut short while it keeps flowing.
 //!
 //! The socket reconnects by itself after a disconnect; a failed connect or
-//! receive error recreates it after capped exponential backoff. Nothing
+//! receive error recreates it after capped, jittered exponential backoff. Nothing
 //! here panics on engine data: malformed frames are counted and skipped.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use inference_cache_runtime::Backoff;
 use tokio::sync::watch;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -34,7 +35,6 @@ use crate::decode::decode_batch;
 use crate::event::EventBatch;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
-use crate::report::Backoff;
 
 /// Time allowed for one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -127,7 +127,7 @@ impl Source {
                 Err(error) => {
                     self.metrics.zmq_errors.inc();
                     tracing::warn!(endpoint = %self.endpoint.endpoint, %error, "cannot subscribe");
-                    backoff.wait(&mut shutdown).await;
+                    backoff.wait(shutdown.changed()).await;
                     continue;
                 }
             };
@@ -149,7 +149,7 @@ impl Source {
                 }
             }
             drop(socket);
-            backoff.wait(&mut shutdown).await;
+            backoff.wait(shutdown.changed()).await;
         }
     }
 
