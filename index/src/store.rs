@@ -12,9 +12,10 @@
 //!   order — one probe per run, not per block — re-probing only where the
 //!   request leaves the run. Holes are exact: a holder that lost a block in
 //!   the middle has a cleared cell there and its match stops at it. A run's
-//!   header, hashes, counts (two per word) and cells are one allocation
-//!   ([`RunData`]), so a reader reaches all of them from the body in one
-//!   step.
+//!   hashes, counts (two per word) and cells are one allocation
+//!   ([`RunData`]); its published length and capacities sit in the body, so
+//!   once a reader has the body it knows the address of every line it needs
+//!   and starts their misses together.
 //! - The **key table** ([`KeyTable`]) maps `(partition, hash)` to
 //!   `run << 6 | position`. Hashes of any width are kept; a wide one is
 //!   compared through a 64-bit digest and then in full.
@@ -41,7 +42,7 @@
 //! beyond) + the key table's 8-byte slot at 7/16–7/8 load, plus a run
 //! header shared by the run's blocks.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::{ArcSwap, ArcSwapOption, Guard};
@@ -188,12 +189,11 @@ type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
 type RunChunk = Box<[ArcSwapOption<Body>]>;
 
-/// Header words of a run's data: published length, row slots handed out,
-/// block and row capacity.
-const LEN: usize = 0;
-const USED_ROWS: usize = 1;
-const CAPS: usize = 2;
-const HEAD: usize = 3;
+/// Header word of a run's data: row slots handed out (shared by the
+/// bodies that share the data). The published length and the capacities
+/// live in the body, which a reader has in cache already.
+const USED_ROWS: usize = 0;
+const HEAD: usize = 1;
 
 /// The arrays of a run, changed in place by the writer: the header, the
 /// hashes, the token counts (two per word) and the cells (`row_cap × cap`,
@@ -203,35 +203,29 @@ const HEAD: usize = 3;
 struct RunData {
     words: Arc<[AtomicU64]>,
     wide: Option<Arc<WideBytes>>,
+    /// Block and row capacity of `words` (fixed for the allocation).
+    cap: u32,
+    row_cap: u32,
 }
 
 impl RunData {
     fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
         let n = HEAD + cap + cap.div_ceil(2) + row_cap * cap;
         let words: Arc<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
-        words[CAPS].store(cap as u64 | ((row_cap as u64) << 32), Ordering::Relaxed);
         Self {
             words,
             wide: wide.then(|| Arc::new((0..cap).map(|_| OnceLock::new()).collect())),
+            cap: cap as u32,
+            row_cap: row_cap as u32,
         }
     }
 
     fn cap(&self) -> usize {
-        self.words[CAPS].load(Ordering::Relaxed) as u32 as usize
+        self.cap as usize
     }
 
     fn row_cap(&self) -> usize {
-        (self.words[CAPS].load(Ordering::Relaxed) >> 32) as usize
-    }
-
-    /// Published positions.
-    fn len(&self) -> usize {
-        self.words[LEN].load(Ordering::Acquire) as usize
-    }
-
-    /// Publishes positions below `len` (filled before).
-    fn publish_len(&self, len: usize) {
-        self.words[LEN].store(len as u64, Ordering::Release);
+        self.row_cap as usize
     }
 
     /// Row slots handed out so far (writer only).
@@ -305,19 +299,39 @@ struct Row {
     slot: u32,
 }
 
-/// What a reader sees of a run: partition, rows (sorted by replica) and data.
+/// What a reader sees of a run: partition, published length, rows (sorted
+/// by replica) and data.
 #[derive(Debug)]
 pub(crate) struct Body {
     pub part: PartitionId,
+    /// Published positions: a reader loads it with `Acquire` before the
+    /// positions below it, which the writer filled before storing it with
+    /// `Release`. Kept here, not in the data, so that the data's lines a
+    /// reader needs (hashes, cells) are known as soon as the body is read.
+    len: AtomicU32,
     /// Inline for the common few holders: one dependent load less per run.
     rows: Rows,
     data: RunData,
 }
 
 impl Body {
+    fn new(part: PartitionId, len: usize, rows: Rows, data: RunData) -> Self {
+        Self {
+            part,
+            len: AtomicU32::new(len as u32),
+            rows,
+            data,
+        }
+    }
+
     /// Published positions.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Publishes positions below `len` (filled before).
+    fn publish_len(&self, len: usize) {
+        self.len.store(len as u32, Ordering::Release);
     }
 
     /// Whether position `pos` (below [`len`](Self::len)) holds `key`.
@@ -891,11 +905,12 @@ impl Writing<'_> {
                     slot: used as u32,
                 },
             );
-            Body {
-                part: body.part,
-                rows: Rows::from_vec(rows),
-                data: body.data.clone(),
-            }
+            Body::new(
+                body.part,
+                body.len(),
+                Rows::from_vec(rows),
+                body.data.clone(),
+            )
         } else {
             rebuilt(body, data.cap(), Some(replica))
         };
@@ -934,11 +949,12 @@ impl Writing<'_> {
                     return None;
                 };
                 let cap = remaining.clamp(1, RUN_BLOCKS);
-                let body = Body {
+                let body = Body::new(
                     part,
-                    rows: Rows::new(),
-                    data: RunData::new(cap, 1, key.hash.is_wide()),
-                };
+                    0,
+                    Rows::new(),
+                    RunData::new(cap, 1, key.hash.is_wide()),
+                );
                 self.publish(run, body);
                 (run, 0)
             }
@@ -952,7 +968,7 @@ impl Writing<'_> {
             let _ = wide[pos].set(bytes.into());
         }
         body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
-        data.publish_len(pos + 1);
+        body.publish_len(pos + 1);
         self.insert_key(key.probe, loc(run, pos));
         self.w.live[run as usize] += 1;
         self.w.entries += 1;
@@ -1109,18 +1125,20 @@ impl Writing<'_> {
         // Dead slots are never reused in place (a reader may still hold an
         // index naming them); rebuild when most row slots are dead.
         let next = if rows.len() * 2 < data.used_rows() {
-            let trimmed = Body {
-                part: body.part,
-                rows: Rows::from_vec(rows),
-                data: body.data.clone(),
-            };
+            let trimmed = Body::new(
+                body.part,
+                body.len(),
+                Rows::from_vec(rows),
+                body.data.clone(),
+            );
             rebuilt(&trimmed, data.cap(), None)
         } else {
-            Body {
-                part: body.part,
-                rows: Rows::from_vec(rows),
-                data: body.data.clone(),
-            }
+            Body::new(
+                body.part,
+                body.len(),
+                Rows::from_vec(rows),
+                body.data.clone(),
+            )
         };
         self.publish(run, next);
     }
@@ -1189,12 +1207,7 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
         }
     }
     data.set_used_rows(rows.len());
-    data.publish_len(len);
-    Body {
-        part: body.part,
-        rows: Rows::from_vec(rows),
-        data,
-    }
+    Body::new(body.part, len, Rows::from_vec(rows), data)
 }
 
 #[cfg(test)]
