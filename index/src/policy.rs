@@ -187,7 +187,7 @@ impl Default for CachePolicy {
             balance_half_life: Duration::from_secs(180),
             contention_weight: 0.25,
             continuation_weight: 0.2,
-            full_cache_weight: 3.0,
+            full_cache_weight: 4.0,
             shadow: false,
         }
     }
