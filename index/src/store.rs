@@ -211,7 +211,16 @@ struct RunData {
 impl RunData {
     fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
         let n = HEAD + cap + cap.div_ceil(2) + row_cap * cap;
-        let words: Arc<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
+        // Zeroed by the allocator: memory fresh from the system needs no
+        // clearing pass.
+        #[expect(
+            unsafe_code,
+            reason = "an all-zero AtomicU64 is a valid value; zeroed allocation skips a clearing pass"
+        )]
+        // SAFETY: `new_zeroed_slice` returns `n` zero-filled elements, and
+        // `AtomicU64` has the same in-memory representation as `u64`, for
+        // which all-zero bits is the value 0 (`AtomicU64::new(0)`).
+        let words: Arc<[AtomicU64]> = unsafe { Arc::new_zeroed_slice(n).assume_init() };
         Self {
             words,
             wide: wide.then(|| Arc::new((0..cap).map(|_| OnceLock::new()).collect())),
@@ -948,14 +957,20 @@ impl Writing<'_> {
                     h.refused += 1;
                     return None;
                 };
+                // The new run starts with the claiming replica's row.
                 let cap = remaining.clamp(1, RUN_BLOCKS);
-                let body = Body::new(
-                    part,
-                    0,
-                    Rows::new(),
-                    RunData::new(cap, 1, key.hash.is_wide()),
-                );
-                self.publish(run, body);
+                let data = RunData::new(cap, 1, key.hash.is_wide());
+                data.set_used_rows(1);
+                let rows = Rows::from_slice(&[Row {
+                    replica: claim.replica,
+                    slot: 0,
+                }]);
+                self.publish(run, Body::new(part, 0, rows, data));
+                self.w
+                    .by_replica
+                    .entry(claim.replica)
+                    .or_default()
+                    .insert(run);
                 (run, 0)
             }
         };
