@@ -514,3 +514,31 @@ fn feedback_arrives_at_routing_time_or_when_the_prefill_ends() {
         assert_eq!((reasons[0].code.as_str(), reasons[0].count), ("NO_HINT", 3));
     }
 }
+
+#[test]
+fn long_sessions_spread_within_the_balance_bound() {
+    // The generator's default workload on 16 idle replicas: a few long agent
+    // sessions on shared tool preambles. New sessions go where fewer
+    // requests went, so those long ones do not leave a replica far ahead,
+    // and the cache hits stay those of the session hash (which leaves one
+    // replica several times over its share here).
+    let trace = generate(&SyntheticConfig {
+        seed: 6,
+        ..SyntheticConfig::default()
+    });
+    let config = SimConfig::new(16, 4000);
+    let results = run(&trace, &[Policy::InferenceCache, Policy::SessionHash], &config);
+    let (ours, hash) = (&results[0], &results[1]);
+    assert!(
+        ours.requests_per_replica.max_over_mean <= 1.3,
+        "requests per replica: {:?}",
+        ours.requests_per_replica
+    );
+    assert!(hash.requests_per_replica.max_over_mean > 2.0);
+    assert!(
+        ours.block_hit_rate >= 0.98 * hash.block_hit_rate,
+        "block hit {} against the session hash's {}",
+        ours.block_hit_rate,
+        hash.block_hit_rate
+    );
+}
