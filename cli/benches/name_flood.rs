@@ -16,6 +16,8 @@
 //!
 //! Run: `cargo bench -p inference-cache --bench name_flood`
 
+#[path = "../../tests/src/http.rs"]
+mod http;
 #[path = "../tests/process_support/mod.rs"]
 mod process_support;
 
@@ -102,7 +104,7 @@ async fn main() {
     }
     let flooded = rss_kib(&server);
     let entries = metric(
-        &server.get("/metrics").await,
+        &server.get("/metrics").await.body,
         "inferencecache_index_entries",
     );
 
@@ -133,7 +135,7 @@ async fn main() {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let snapshot = server.get("/snapshot").await;
+        let snapshot = server.get("/snapshot").await.body;
         if !snapshot.contains("flood-") || Instant::now() > deadline {
             break;
         }
@@ -141,7 +143,7 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = rss_kib(&server);
     let entries_after = metric(
-        &server.get("/metrics").await,
+        &server.get("/metrics").await.body,
         "inferencecache_index_entries",
     );
 

@@ -99,14 +99,8 @@ fn serves_then_drains_on_sigterm() {
         .expect("admin_addr field")
         .to_owned();
 
-    let mut stream = std::net::TcpStream::connect(&admin).expect("admin listener accepts");
-    use std::io::{Read as _, Write as _};
-    stream
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .expect("write request");
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).expect("read reply");
-    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let reply = crate::http::get_blocking(&admin, "/healthz").expect("admin listener accepts");
+    assert_eq!(reply.status, 200, "{reply:?}");
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -130,16 +124,9 @@ fn serves_then_drains_on_sigterm() {
 
 /// GET `path` on `addr`; the status line, or `None` when nothing accepts.
 fn get_status(addr: &str, path: &str) -> Option<String> {
-    use std::io::{Read as _, Write as _};
-    let mut stream = std::net::TcpStream::connect(addr).ok()?;
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .ok()?;
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).ok()?;
-    reply.lines().next().map(str::to_owned)
+    crate::http::get_blocking(addr, path)
+        .ok()
+        .map(|response| response.status_line)
 }
 
 #[test]

@@ -15,6 +15,9 @@
 //! installs the target and the compiler. The filter is built like the
 //! Envoy tests build it.
 
+#[path = "../../tests/src/http.rs"]
+mod http;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -133,19 +136,6 @@ fn free_port() -> u16 {
         .expect("free port")
 }
 
-fn http_get(port: u16, path: &str) -> Option<String> {
-    use std::io::{Read as _, Write as _};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    Some(text)
-}
-
 #[test]
 fn server_image_root_filesystem_runs_the_static_binary() {
     let stage = final_stage(&repo_root().join("Dockerfile"));
@@ -211,11 +201,8 @@ fn server_image_root_filesystem_runs_the_static_binary() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut health = None;
     while Instant::now() < deadline {
-        health = http_get(admin, "/healthz");
-        if health
-            .as_deref()
-            .is_some_and(|h| h.starts_with("HTTP/1.1 200"))
-        {
+        health = http::get_blocking(("127.0.0.1", admin), "/healthz").ok();
+        if health.as_ref().is_some_and(|h| h.status == 200) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -223,9 +210,7 @@ fn server_image_root_filesystem_runs_the_static_binary() {
     let _ = server.kill();
     let _ = server.wait();
     assert!(
-        health
-            .as_deref()
-            .is_some_and(|h| h.starts_with("HTTP/1.1 200")),
+        health.as_ref().is_some_and(|h| h.status == 200),
         "/healthz from the binary in the image's root filesystem: {health:?}"
     );
 

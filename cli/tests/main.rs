@@ -7,6 +7,8 @@
 //!
 //! One file's tests: `cargo test -p inference-cache --test integration cli::`.
 
+#[path = "../../tests/src/http.rs"]
+mod http;
 #[path = "../../server/tests/nats_support/mod.rs"]
 mod nats_support;
 mod process_support;

@@ -25,6 +25,8 @@
 //! Run: `cargo bench -p inference-cache-server --bench scale_out`
 //! (needs `nats-server`: scripts/requirements-test.txt, or `NATS_SERVER_BIN`).
 
+#[path = "../../tests/src/http.rs"]
+mod http;
 #[path = "../tests/nats_support/mod.rs"]
 mod nats_support;
 
@@ -118,20 +120,8 @@ async fn client(server: &RunningServer) -> anyhow::Result<InferenceCacheClient<C
 }
 
 async fn admin_get(server: &RunningServer, path: &str) -> anyhow::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(server.admin_addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned());
-    Ok((status, body.unwrap_or_default()))
+    let response = http::get(server.admin_addr, path).await?;
+    Ok((response.status, response.body))
 }
 
 async fn metric(server: &RunningServer, series: &str) -> anyhow::Result<f64> {

@@ -286,15 +286,8 @@ fn process_cpu() -> Duration {
 
 async fn timed_healthz(addr: std::net::SocketAddr) -> Duration {
     let started = Instant::now();
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    stream
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    let mut reply = Vec::new();
-    stream.read_to_end(&mut reply).await.expect("read");
-    assert!(reply.starts_with(b"HTTP/1.1 200"));
+    let reply = crate::http::get(addr, "/healthz").await.expect("healthz");
+    assert_eq!(reply.status, 200, "{reply:?}");
     started.elapsed()
 }
 
@@ -749,20 +742,6 @@ async fn bearer_tokens_bind_producers_to_tenants_and_replicas() {
 
 // ---------------------------------------------------------------- shutdown
 
-async fn http_status(addr: std::net::SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut reply = Vec::new();
-    stream.read_to_end(&mut reply).await.expect("read");
-    String::from_utf8_lossy(&reply)
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
-}
-
 #[tokio::test]
 async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
     let mut h = Harness::start_with(&open_policy(), |c| {
@@ -794,9 +773,11 @@ async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     // During the delay: not ready, health NOT_SERVING, yet still accepting.
     assert!(
-        http_status(admin, "/readyz")
+        crate::http::get(admin, "/readyz")
             .await
-            .starts_with("HTTP/1.1 503")
+            .expect("readyz")
+            .status
+            == 503
     );
     let mut health = tonic_health::pb::health_client::HealthClient::new(
         Channel::from_shared(format!("http://{grpc}"))
@@ -932,7 +913,10 @@ async fn unauthenticated_producers_from_other_hosts_are_refused_unless_allowed()
         } else {
             let status = produced.expect_err("refused from a non-loopback peer");
             assert_eq!(status.code(), Code::PermissionDenied, "{status}");
-            let metrics = http_body(admin, "/metrics").await;
+            let metrics = crate::http::get(admin, "/metrics")
+                .await
+                .expect("metrics")
+                .body;
             assert!(
                 metrics.contains(
                     "inferencecache_auth_refused_total{rpc=\"ReportCacheState\",reason=\"non_loopback_peer\"} 1"
@@ -942,14 +926,4 @@ async fn unauthenticated_producers_from_other_hosts_are_refused_unless_allowed()
         }
         server.shutdown().await.expect("shutdown");
     }
-}
-
-async fn http_body(addr: std::net::SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut reply = Vec::new();
-    stream.read_to_end(&mut reply).await.expect("read");
-    String::from_utf8_lossy(&reply).into_owned()
 }

@@ -6,6 +6,8 @@
 //! One file's tests: `cargo test -p inference-cache-server --test integration contract_lookup::`.
 
 mod contract_support;
+#[path = "../../tests/src/http.rs"]
+mod http;
 mod nats_support;
 
 mod accuracy_watch;

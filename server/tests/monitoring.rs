@@ -14,7 +14,6 @@ use inference_cache_proto::v1alpha1::LookupRouteRequest;
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_server::{ServeConfig, start};
 use inference_cache_subscriber::{SubscribeArgs, Subscriber};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -24,15 +23,9 @@ fn repo_root() -> PathBuf {
 }
 
 async fn scrape(addr: SocketAddr) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.expect("read");
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    text
+    let page = crate::http::get(addr, "/metrics").await.expect("scrape");
+    assert_eq!(page.status, 200, "{page:?}");
+    page.body
 }
 
 /// Sample names a Prometheus text page exposes, from its `# TYPE` lines.

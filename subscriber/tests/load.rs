@@ -288,26 +288,6 @@ async fn the_announcement_carries_fresh_stats() {
     server.kill().await;
 }
 
-/// GET `path` from `addr`; the status code and body.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0);
-    (status, response)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_block_size_mismatch_is_reported_and_fails_readiness() {
     let server = RecordingServer::start("127.0.0.1:0".parse().unwrap()).await;
@@ -341,15 +321,16 @@ async fn engine_block_size_mismatch_is_reported_and_fails_readiness() {
     assert!(eventually(WAIT, || metric(&sub, ok) >= 1.0).await);
     let mismatch = "inferencecache_subscriber_config_mismatch{field=\"block_size\"}";
     assert_eq!(metric(&sub, mismatch), 0.0);
-    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    let ready = crate::http::get(addr, "/readyz").await.expect("readyz");
+    assert_eq!(ready.status, 200, "{ready:?}");
 
     page.set(
         "vllm:cache_config_info{block_size=\"32\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",prefix_caching_hash_algo=\"sha256\"} 1.0\nvllm:num_requests_running 1\n",
     );
     assert!(eventually(WAIT, || metric(&sub, mismatch) == 1.0).await);
-    let (status, body) = http_get(addr, "/readyz").await;
-    assert_eq!(status, 503);
-    assert!(body.contains("block_size is 32"), "{body}");
+    let ready = crate::http::get(addr, "/readyz").await.expect("readyz");
+    assert_eq!(ready.status, 503);
+    assert!(ready.body.contains("block_size is 32"), "{ready:?}");
     sub.shutdown().await;
     server.kill().await;
 }

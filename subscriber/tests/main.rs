@@ -4,6 +4,8 @@
 //! One file's tests: `cargo test -p inference-cache-subscriber --test integration e2e::`.
 
 mod common;
+#[path = "../../tests/src/http.rs"]
+mod http;
 
 mod e2e;
 mod load;

@@ -441,19 +441,9 @@ async fn metrics_endpoint_serves_prometheus_text() {
     let publisher = Publisher::start("v25");
     let sub = subscriber(&publisher, server.addr, false, &[]).await;
     let addr = sub.metrics_addr().expect("metrics enabled");
-    let body = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .expect("write");
-        let mut body = String::new();
-        stream.read_to_string(&mut body).expect("read");
-        body
-    })
-    .await
-    .expect("join");
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    let page = crate::http::get(addr, "/metrics").await.expect("scrape");
+    assert_eq!(page.status, 200, "{page:?}");
+    let body = page.body;
     assert!(body.contains("inferencecache_subscriber_frames_total"));
     assert!(body.contains("inferencecache_subscriber_buffer_dropped_total"));
     sub.shutdown().await;

@@ -1,8 +1,11 @@
 //! Shared helpers for the cross-crate tests: a real server on loopback port 0,
 //! a connected gRPC client, reporting a token prompt's blocks as held, and a
-//! minimal HTTP/1.1 GET for the admin listener.
+//! minimal HTTP/1.1 GET for the admin listener ([`http`]).
 
+pub mod http;
 pub mod test_files;
+
+pub use http::HttpResponse;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -12,7 +15,6 @@ use inference_cache_fingerprint::request_chain;
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
 use inference_cache_proto::v1alpha1::{CacheStateUpdate, PrefixEntry};
 use inference_cache_server::{RunningServer, ServeConfig, start};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tonic::transport::Channel;
 
 /// A server started in-process on ephemeral loopback ports.
@@ -59,7 +61,7 @@ impl TestServer {
 
     /// GET `path` on the admin listener.
     pub async fn admin_get(&self, path: &str) -> anyhow::Result<HttpResponse> {
-        http_get(self.admin_addr(), path).await
+        Ok(http::get(self.admin_addr(), path).await?)
     }
 
     /// Stops the server and waits for it to drain.
@@ -139,56 +141,4 @@ pub async fn hold_tokens(
         .into_inner();
     ensure!(ack.accepted, "ingest not accepted: {}", ack.reason_code);
     Ok(())
-}
-
-/// Status and body of an HTTP response.
-#[derive(Debug)]
-pub struct HttpResponse {
-    /// HTTP status code.
-    pub status: u16,
-    /// Response body (the connection is closed by the request, so read to the end).
-    pub body: String,
-}
-
-/// A one-shot HTTP/1.1 GET with `Connection: close`.
-pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<HttpResponse> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .context("HTTP response without header end")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .context("HTTP status line")?;
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    Ok(HttpResponse { status, body })
-}
-
-/// Decodes a chunked transfer-encoded body.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }

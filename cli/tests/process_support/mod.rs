@@ -6,7 +6,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use inference_cache_proto::v1alpha1::inference_cache_client::InferenceCacheClient;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
@@ -52,29 +51,17 @@ impl ServerProcess {
         }
     }
 
-    /// The raw HTTP response to `GET path` on the admin listener (empty when
-    /// it cannot be reached).
-    pub async fn get(&self, path: &str) -> String {
-        let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.admin)).await else {
-            return String::new();
-        };
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        if stream.write_all(request.as_bytes()).await.is_err() {
-            return String::new();
-        }
-        let mut raw = Vec::new();
-        let _ = stream.read_to_end(&mut raw).await;
-        String::from_utf8_lossy(&raw).into_owned()
+    /// `GET path` on the admin listener (status 0 and no body when it
+    /// cannot be reached).
+    pub async fn get(&self, path: &str) -> crate::http::HttpResponse {
+        crate::http::get(("127.0.0.1", self.admin), path)
+            .await
+            .unwrap_or_default()
     }
 
     /// The status of `/readyz` (0 when unreachable).
     pub async fn readyz(&self) -> u16 {
-        self.get("/readyz")
-            .await
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
+        self.get("/readyz").await.status
     }
 
     /// Waits until `/readyz` answers 200 (30 s at most).

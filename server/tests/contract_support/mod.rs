@@ -15,7 +15,6 @@ use inference_cache_proto::v1alpha1::{
     ReplicaStats, cache_event,
 };
 use inference_cache_server::{ClockHandle, RunningServer, ServeConfig, start};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tonic::transport::Channel;
 
 pub const T: &str = "team-a";
@@ -128,23 +127,10 @@ impl Harness {
 
     /// GET `path` on the admin listener: (status, body).
     pub async fn admin_get(&self, path: &str) -> (u16, String) {
-        let addr = self.admin_addr();
-        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.expect("write");
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await.expect("read");
-        let text = String::from_utf8_lossy(&raw).to_string();
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (status, body)
+        let response = crate::http::get(self.admin_addr(), path)
+            .await
+            .expect("admin GET");
+        (response.status, response.body)
     }
 
     /// Value of a metric line (exact name with labels) in `/metrics`.
