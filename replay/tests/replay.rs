@@ -527,7 +527,11 @@ fn long_sessions_spread_within_the_balance_bound() {
         ..SyntheticConfig::default()
     });
     let config = SimConfig::new(16, 4000);
-    let results = run(&trace, &[Policy::InferenceCache, Policy::SessionHash], &config);
+    let results = run(
+        &trace,
+        &[Policy::InferenceCache, Policy::SessionHash],
+        &config,
+    );
     let (ours, hash) = (&results[0], &results[1]);
     assert!(
         ours.requests_per_replica.max_over_mean <= 1.3,
