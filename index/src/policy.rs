@@ -259,8 +259,8 @@ impl PolicySet {
                 .and_then(|m| m.get("name"))
                 .and_then(|n| n.as_str())
                 .map(str::to_owned);
-            let (namespace, policy) =
-                parse_document(value).map_err(|(field, reason)| PolicyError {
+            let ParsedDocument { namespace, policy } =
+                parse_document(value).map_err(|FieldError { field, reason }| PolicyError {
                     document: number,
                     name: name.clone(),
                     field,
@@ -400,78 +400,114 @@ enum Number {
     Text(String),
 }
 
-type FieldError = (String, String);
+/// A field of a document that could not be accepted.
+#[derive(Debug)]
+struct FieldError {
+    /// Dotted path of the field (empty when the document itself is bad).
+    field: String,
+    /// What is wrong with it.
+    reason: String,
+}
 
 fn field_err(field: &str, reason: impl Into<String>) -> FieldError {
-    (field.to_owned(), reason.into())
+    FieldError {
+        field: field.to_owned(),
+        reason: reason.into(),
+    }
 }
 
-fn parse_document(value: serde_yaml::Value) -> Result<(String, CachePolicy), FieldError> {
+/// One accepted document: the namespace it applies to and its policy.
+#[derive(Debug)]
+struct ParsedDocument {
+    namespace: String,
+    policy: CachePolicy,
+}
+
+fn parse_document(value: serde_yaml::Value) -> Result<ParsedDocument, FieldError> {
     let raw: RawDocument = serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let field = if path == "." { String::new() } else { path };
-        (field, e.into_inner().to_string())
+        FieldError {
+            field: if path == "." { String::new() } else { path },
+            reason: e.into_inner().to_string(),
+        }
     })?;
-    match raw.api_version.as_deref() {
-        Some(API_VERSION) => {}
-        Some(other) => {
-            return Err(field_err(
-                "apiVersion",
-                format!("expected {API_VERSION:?}, got {other:?}"),
-            ));
-        }
-        None => return Err(field_err("apiVersion", "missing")),
-    }
-    match raw.kind.as_deref() {
-        Some(KIND) => {}
-        Some(other) => {
-            return Err(field_err(
-                "kind",
-                format!("expected {KIND:?}, got {other:?}"),
-            ));
-        }
-        None => return Err(field_err("kind", "missing")),
-    }
-    let metadata = raw
-        .metadata
-        .ok_or_else(|| field_err("metadata", "missing"))?;
-    let _ = (&metadata.name, &metadata.labels, &metadata.annotations);
-    let namespace = match metadata.namespace {
-        Some(ns) if !ns.is_empty() => ns,
-        _ => {
-            return Err(field_err(
-                "metadata.namespace",
-                "missing or empty (use \"*\" for the default policy)",
-            ));
-        }
-    };
+    check_type(&raw)?;
+    let namespace = namespace_of(raw.metadata)?;
     let mut policy = CachePolicy::default();
     if let Some(spec) = raw.spec {
-        apply_spec(&mut policy, spec)?;
+        apply_spec(&mut policy, &spec)?;
     }
-    Ok((namespace, policy))
+    Ok(ParsedDocument { namespace, policy })
 }
 
-fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError> {
-    if let Some(eviction) = spec.eviction {
-        policy.eviction = match eviction.as_str() {
-            "LRU" => Eviction::Lru,
-            "LFU" => Eviction::Lfu,
-            other => {
+/// `apiVersion` and `kind` name a CachePolicy of this version.
+fn check_type(raw: &RawDocument) -> Result<(), FieldError> {
+    for (field, value, expected) in [
+        ("apiVersion", &raw.api_version, API_VERSION),
+        ("kind", &raw.kind, KIND),
+    ] {
+        match value.as_deref() {
+            Some(value) if value == expected => {}
+            Some(other) => {
                 return Err(field_err(
-                    "spec.eviction",
-                    format!("must be LRU or LFU, got {other:?}"),
+                    field,
+                    format!("expected {expected:?}, got {other:?}"),
                 ));
             }
-        };
-    }
-    if let Some(ttl) = spec.eviction_ttl {
-        let ttl = parse_duration(&ttl).map_err(|r| field_err("spec.evictionTTL", r))?;
-        if ttl.is_zero() {
-            return Err(field_err("spec.evictionTTL", "must be greater than zero"));
+            None => return Err(field_err(field, "missing")),
         }
-        policy.eviction_ttl = ttl;
     }
+    Ok(())
+}
+
+/// The namespace the document applies to (`"*"`: the default policy).
+fn namespace_of(metadata: Option<RawMetadata>) -> Result<String, FieldError> {
+    let metadata = metadata.ok_or_else(|| field_err("metadata", "missing"))?;
+    let _ = (&metadata.name, &metadata.labels, &metadata.annotations);
+    match metadata.namespace {
+        Some(ns) if !ns.is_empty() => Ok(ns),
+        _ => Err(field_err(
+            "metadata.namespace",
+            "missing or empty (use \"*\" for the default policy)",
+        )),
+    }
+}
+
+/// Applies every field `spec` sets over the defaults in `policy`, one group
+/// of fields per step, in the order of [`RawSpec`]; the first bad field is
+/// the error.
+fn apply_spec(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    apply_eviction(policy, spec)?;
+    apply_lookup_gates(policy, spec)?;
+    apply_affinity(policy, spec)?;
+    apply_strategy_and_quota(policy, spec)?;
+    apply_tenant_hot(policy, spec)?;
+    apply_contract_scoring(policy, spec)?;
+    apply_ranker_and_membership(policy, spec)?;
+    apply_cost_aware(policy, spec)?;
+    if let Some(v) = spec.shadow {
+        policy.shadow = v;
+    }
+    Ok(())
+}
+
+/// `eviction`, `evictionTTL`.
+fn apply_eviction(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.eviction {
+        policy.eviction = choice(
+            "spec.eviction",
+            v,
+            [("LRU", Eviction::Lru), ("LFU", Eviction::Lfu)],
+        )?;
+    }
+    if let Some(v) = &spec.eviction_ttl {
+        policy.eviction_ttl = positive_duration("spec.evictionTTL", v)?;
+    }
+    Ok(())
+}
+
+/// `lookupTimeoutMs`, `minimumPrefixTokens`, `minimumMatchedTokens`, `routingFloorScore`.
+fn apply_lookup_gates(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
     if let Some(ms) = spec.lookup_timeout_ms {
         let ms = non_negative("spec.lookupTimeoutMs", ms)?;
         policy.lookup_timeout_ms = (ms > 0).then(|| Duration::from_millis(u64::from(ms)));
@@ -482,34 +518,37 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
     if let Some(v) = spec.minimum_matched_tokens {
         policy.minimum_matched_tokens = non_negative("spec.minimumMatchedTokens", v)?;
     }
-    if let Some(v) = spec.routing_floor_score {
+    if let Some(v) = &spec.routing_floor_score {
         policy.routing_floor_score = decimal("spec.routingFloorScore", v)?;
     }
-    if let Some(v) = spec.affinity_routing {
-        policy.affinity_routing = match v.as_str() {
-            "Enabled" => true,
-            "Disabled" => false,
-            other => {
-                return Err(field_err(
-                    "spec.affinityRouting",
-                    format!("must be Enabled or Disabled, got {other:?}"),
-                ));
-            }
-        };
+    Ok(())
+}
+
+/// `affinityRouting`, `affinityAlgorithm`.
+fn apply_affinity(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.affinity_routing {
+        policy.affinity_routing = choice(
+            "spec.affinityRouting",
+            v,
+            [("Enabled", true), ("Disabled", false)],
+        )?;
     }
-    if let Some(v) = spec.affinity_algorithm {
-        policy.affinity_algorithm = match v.as_str() {
-            "Modulo" => AffinityAlgorithm::Modulo,
-            "Rendezvous" => AffinityAlgorithm::Rendezvous,
-            other => {
-                return Err(field_err(
-                    "spec.affinityAlgorithm",
-                    format!("must be Modulo or Rendezvous, got {other:?}"),
-                ));
-            }
-        };
+    if let Some(v) = &spec.affinity_algorithm {
+        policy.affinity_algorithm = choice(
+            "spec.affinityAlgorithm",
+            v,
+            [
+                ("Modulo", AffinityAlgorithm::Modulo),
+                ("Rendezvous", AffinityAlgorithm::Rendezvous),
+            ],
+        )?;
     }
-    if let Some(s) = spec.strategy {
+    Ok(())
+}
+
+/// `strategy.*`, `quota.maxIndexEntries`.
+fn apply_strategy_and_quota(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(s) = &spec.strategy {
         if let Some(v) = s.enable_chain_matching {
             policy.strategy.enable_chain_matching = v;
         }
@@ -520,7 +559,7 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
             policy.strategy.enable_tenant_hot = v;
         }
     }
-    if let Some(q) = spec.quota
+    if let Some(q) = &spec.quota
         && let Some(v) = q.max_index_entries
     {
         if v <= 0 {
@@ -531,11 +570,15 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
         }
         policy.max_index_entries = u64::try_from(v).ok();
     }
-    if let Some(v) = spec.tenant_hot_max_age {
-        policy.tenant_hot_max_age =
-            parse_duration(&v).map_err(|r| field_err("spec.tenantHotMaxAge", r))?;
+    Ok(())
+}
+
+/// `tenantHotMaxAge`, `tenantHotMinHitRate`.
+fn apply_tenant_hot(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.tenant_hot_max_age {
+        policy.tenant_hot_max_age = duration("spec.tenantHotMaxAge", v)?;
     }
-    if let Some(v) = spec.tenant_hot_min_hit_rate {
+    if let Some(v) = &spec.tenant_hot_min_hit_rate {
         let rate = decimal("spec.tenantHotMinHitRate", v)?;
         if rate > 1.0 {
             return Err(field_err(
@@ -545,48 +588,53 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
         }
         policy.tenant_hot_min_hit_rate = rate;
     }
-    if let Some(v) = spec.pressure_weight {
+    Ok(())
+}
+
+/// `pressureWeight`, `sloTightBias`, `sloTightTtftMs`.
+fn apply_contract_scoring(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.pressure_weight {
         policy.pressure_weight = decimal("spec.pressureWeight", v)?;
     }
-    if let Some(v) = spec.slo_tight_bias {
+    if let Some(v) = &spec.slo_tight_bias {
         policy.slo_tight_bias = decimal("spec.sloTightBias", v)?;
     }
     if let Some(v) = spec.slo_tight_ttft_ms {
         policy.slo_tight_ttft_ms = non_negative("spec.sloTightTtftMs", v)?;
     }
-    if let Some(v) = spec.ranker {
-        policy.ranker = match v.as_str() {
-            "Contract" => Ranker::Contract,
-            "CostAware" => Ranker::CostAware,
-            other => {
-                return Err(field_err(
-                    "spec.ranker",
-                    format!("must be Contract or CostAware, got {other:?}"),
-                ));
-            }
-        };
+    Ok(())
+}
+
+/// `ranker`, `replicaTimeout`.
+fn apply_ranker_and_membership(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.ranker {
+        policy.ranker = choice(
+            "spec.ranker",
+            v,
+            [
+                ("Contract", Ranker::Contract),
+                ("CostAware", Ranker::CostAware),
+            ],
+        )?;
     }
-    if let Some(v) = spec.replica_timeout {
-        let timeout = parse_duration(&v).map_err(|r| field_err("spec.replicaTimeout", r))?;
-        if timeout.is_zero() {
-            return Err(field_err(
-                "spec.replicaTimeout",
-                "must be greater than zero",
-            ));
-        }
-        policy.replica_timeout = timeout;
+    if let Some(v) = &spec.replica_timeout {
+        policy.replica_timeout = positive_duration("spec.replicaTimeout", v)?;
     }
-    if let Some(v) = spec.load_weight {
+    Ok(())
+}
+
+/// The CostAware ranker's weights and bounds: `loadWeight` to `fullCacheWeight`.
+fn apply_cost_aware(policy: &mut CachePolicy, spec: &RawSpec) -> Result<(), FieldError> {
+    if let Some(v) = &spec.load_weight {
         policy.load_weight = decimal("spec.loadWeight", v)?;
     }
-    if let Some(v) = spec.running_weight {
+    if let Some(v) = &spec.running_weight {
         policy.running_weight = decimal("spec.runningWeight", v)?;
     }
-    if let Some(v) = spec.load_stats_max_age {
-        policy.load_stats_max_age =
-            parse_duration(&v).map_err(|r| field_err("spec.loadStatsMaxAge", r))?;
+    if let Some(v) = &spec.load_stats_max_age {
+        policy.load_stats_max_age = duration("spec.loadStatsMaxAge", v)?;
     }
-    if let Some(v) = spec.load_bound {
+    if let Some(v) = &spec.load_bound {
         let bound = decimal("spec.loadBound", v)?;
         if bound < 1.0 {
             return Err(field_err(
@@ -596,14 +644,13 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
         }
         policy.load_bound = bound;
     }
-    if let Some(v) = spec.balance_half_life {
-        policy.balance_half_life =
-            parse_duration(&v).map_err(|r| field_err("spec.balanceHalfLife", r))?;
+    if let Some(v) = &spec.balance_half_life {
+        policy.balance_half_life = duration("spec.balanceHalfLife", v)?;
     }
-    if let Some(v) = spec.contention_weight {
+    if let Some(v) = &spec.contention_weight {
         policy.contention_weight = decimal("spec.contentionWeight", v)?;
     }
-    if let Some(v) = spec.continuation_weight {
+    if let Some(v) = &spec.continuation_weight {
         let weight = decimal("spec.continuationWeight", v)?;
         if !(0.0..=1.0).contains(&weight) {
             return Err(field_err(
@@ -613,13 +660,35 @@ fn apply_spec(policy: &mut CachePolicy, spec: RawSpec) -> Result<(), FieldError>
         }
         policy.continuation_weight = weight;
     }
-    if let Some(v) = spec.full_cache_weight {
+    if let Some(v) = &spec.full_cache_weight {
         policy.full_cache_weight = decimal("spec.fullCacheWeight", v)?;
     }
-    if let Some(v) = spec.shadow {
-        policy.shadow = v;
-    }
     Ok(())
+}
+
+/// One of two spellings, each standing for a value.
+fn choice<T: Copy>(field: &str, value: &str, options: [(&str, T); 2]) -> Result<T, FieldError> {
+    let [(first, a), (second, b)] = options;
+    match value {
+        v if v == first => Ok(a),
+        v if v == second => Ok(b),
+        other => Err(field_err(
+            field,
+            format!("must be {first} or {second}, got {other:?}"),
+        )),
+    }
+}
+
+fn duration(field: &str, text: &str) -> Result<Duration, FieldError> {
+    parse_duration(text).map_err(|reason| field_err(field, reason))
+}
+
+fn positive_duration(field: &str, text: &str) -> Result<Duration, FieldError> {
+    let value = duration(field, text)?;
+    if value.is_zero() {
+        return Err(field_err(field, "must be greater than zero"));
+    }
+    Ok(value)
 }
 
 fn non_negative(field: &str, value: i64) -> Result<u32, FieldError> {
@@ -631,9 +700,9 @@ fn non_negative(field: &str, value: i64) -> Result<u32, FieldError> {
     })
 }
 
-fn decimal(field: &str, value: Number) -> Result<f64, FieldError> {
+fn decimal(field: &str, value: &Number) -> Result<f64, FieldError> {
     let parsed = match value {
-        Number::Float(f) => f,
+        Number::Float(f) => *f,
         Number::Text(text) => text
             .trim()
             .parse::<f64>()
@@ -863,6 +932,27 @@ spec:
             assert_eq!(e.document, 1);
             assert_eq!(e.name.as_deref(), Some("p"));
         }
+    }
+
+    #[test]
+    fn reasons_say_what_is_accepted_and_the_first_bad_field_wins() {
+        let head = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {name: p, namespace: t}\nspec:\n";
+        for (body, reason) in [
+            ("  eviction: FIFO\n", "must be LRU or LFU, got \"FIFO\""),
+            (
+                "  ranker: Fast\n",
+                "must be Contract or CostAware, got \"Fast\"",
+            ),
+            ("  replicaTimeout: 0s\n", "must be greater than zero"),
+            ("  loadBound: 0.5\n", "must be at least 1, got 0.5"),
+            ("  tenantHotMinHitRate: 2\n", "must be within [0, 1], got 2"),
+        ] {
+            let e = error_of(&format!("{head}{body}"));
+            assert_eq!(e.reason, reason, "{body}: {e}");
+        }
+        // Whatever the order in the document, the spec's first group is checked first.
+        let e = error_of(&format!("{head}  loadBound: 0.5\n  eviction: FIFO\n"));
+        assert_eq!(e.field, "spec.eviction");
     }
 
     #[test]
