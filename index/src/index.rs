@@ -53,6 +53,16 @@ fn write_between_readers<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     }
     lock.write()
 }
+/// What an update names, resolved without interning (see
+/// [`CacheIndex::known_names`]).
+struct KnownNames {
+    replica: ReplicaId,
+    /// `[tenant, model, scheme]` when the update names all three.
+    join: Option<[NameId; 3]>,
+    /// Partition of the update's own adapter, when it exists.
+    part: Option<PartitionId>,
+}
+
 /// Default bound on the replicas one key keeps.
 pub const DEFAULT_MAX_HOLDERS_PER_KEY: usize = 256;
 
@@ -269,6 +279,38 @@ impl CacheIndex {
             .intern_partition(tenant, model, scheme, adapter)
     }
 
+    /// The replica, the joined `(tenant, model, scheme)` (when the update
+    /// names them) and the partition of the update's adapter, when all of
+    /// them are known already (and the pair noted as joined): one read
+    /// lock. `None` when something has to be interned first.
+    fn known_names(&self, update: &CacheUpdate, wants_join: bool) -> Option<KnownNames> {
+        let catalog = self.catalog.read();
+        let replica = catalog.replica(&update.replica_id)?;
+        if !wants_join {
+            return Some(KnownNames {
+                replica,
+                join: None,
+                part: None,
+            });
+        }
+        let ids = [
+            catalog.name(&update.tenant_id)?,
+            catalog.name(&update.model_id)?,
+            catalog.name(&update.hash_scheme)?,
+        ];
+        if !catalog.joined([ids[0], ids[1]]) {
+            return None;
+        }
+        let part = catalog
+            .name(&update.adapter_id)
+            .and_then(|a| catalog.partition_of([ids[0], ids[1], ids[2], a]));
+        Some(KnownNames {
+            replica,
+            join: Some(ids),
+            part,
+        })
+    }
+
     /// Applies one additive update from a replica.
     pub fn ingest(&self, update: &CacheUpdate) -> IngestReport {
         let mut report = IngestReport::default();
@@ -283,15 +325,26 @@ impl CacheIndex {
         }
         let now_ms = self.now_ms();
         let now = ms_to_secs(now_ms);
-        let replica = self.replica_id(&update.replica_id);
-        let join = (!update.hash_scheme.is_empty()
+        let wants_join = !update.hash_scheme.is_empty()
             && !update.tenant_id.is_empty()
-            && !update.model_id.is_empty())
-        .then(|| {
-            let ids = self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
-            self.note_joined([ids[0], ids[1]]);
-            ids
-        });
+            && !update.model_id.is_empty();
+        // The steady stream of reports names a known replica in a known,
+        // joined scope: resolve all of it under one read lock. Anything new
+        // goes the way that interns it.
+        let known = self.known_names(update, wants_join);
+        let (replica, join, known_part) = match known {
+            Some(k) => (k.replica, k.join, k.part),
+            None => {
+                let replica = self.replica_id(&update.replica_id);
+                let join = wants_join.then(|| {
+                    let ids =
+                        self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
+                    self.note_joined([ids[0], ids[1]]);
+                    ids
+                });
+                (replica, join, None)
+            }
+        };
         self.record_stats(replica, update.stats.as_ref(), now_ms, join);
         report.stats_recorded = update.stats.is_some();
         if update.hash_scheme.is_empty() {
@@ -329,12 +382,15 @@ impl CacheIndex {
             let slot_index = match parts.iter().position(|(a, ..)| *a == adapter) {
                 Some(i) => i,
                 None => {
-                    let p = self.partition_id(
-                        &update.tenant_id,
-                        &update.model_id,
-                        &update.hash_scheme,
-                        adapter,
-                    );
+                    let p = match known_part {
+                        Some(p) if adapter == update.adapter_id => p,
+                        _ => self.partition_id(
+                            &update.tenant_id,
+                            &update.model_id,
+                            &update.hash_scheme,
+                            adapter,
+                        ),
+                    };
                     parts.push((adapter, p, 0, 0));
                     parts.len() - 1
                 }
