@@ -211,104 +211,16 @@ impl SubscribeArgs {
         StandaloneArgs::try_parse_from(args).map(|parsed| parsed.args)
     }
 
-    /// Checks the flags and resolves them into [`Settings`].
+    /// Checks the flags and resolves them into [`Settings`], one step per
+    /// group of flags; the first bad flag is the error.
     pub fn resolve(&self) -> Result<Settings, SettingsError> {
-        let required = [
-            ("--replica-id", &self.replica_id),
-            ("--tenant", &self.tenant),
-            ("--model", &self.model),
-            ("--hash-scheme", &self.hash_scheme),
-            ("--server", &self.server),
-        ];
-        for (flag, value) in required {
-            if value.trim().is_empty() {
-                return Err(SettingsError::Empty(flag));
-            }
-        }
-        let endpoints: Vec<String> = self
-            .endpoints
-            .iter()
-            .map(|e| e.trim().to_owned())
-            .filter(|e| !e.is_empty())
-            .collect();
-        if endpoints.is_empty() {
-            return Err(SettingsError::Empty("--endpoint"));
-        }
-        if self.replay_endpoints.len() > endpoints.len() {
-            return Err(SettingsError::TooManyReplayEndpoints {
-                endpoints: endpoints.len(),
-                replay: self.replay_endpoints.len(),
-            });
-        }
-        let endpoints = endpoints
-            .into_iter()
-            .enumerate()
-            .map(|(index, endpoint)| EndpointSettings {
-                endpoint,
-                replay: self
-                    .replay_endpoints
-                    .get(index)
-                    .map(|r| r.trim().to_owned())
-                    .filter(|r| !r.is_empty()),
-            })
-            .collect();
-        if self.block_size == 0 {
-            return Err(SettingsError::Zero("--block-size"));
-        }
-        if self.buffer_size == 0 {
-            return Err(SettingsError::Zero("--buffer-size"));
-        }
-        if self.max_tracked_blocks == 0 {
-            return Err(SettingsError::Zero("--max-tracked-blocks"));
-        }
-        if self.max_blocks_per_update == 0 {
-            return Err(SettingsError::Zero("--max-blocks-per-update"));
-        }
-        let mut lora_names = HashMap::new();
-        for (id, name) in &self.lora_adapter_names {
-            if lora_names
-                .insert(*id, Arc::<str>::from(name.as_str()))
-                .is_some()
-            {
-                return Err(SettingsError::DuplicateLoraId(*id));
-            }
-        }
-        let metrics_listen = match self.metrics_listen.trim() {
-            "" | "off" | "none" => None,
-            addr => Some(
-                addr.parse::<SocketAddr>()
-                    .map_err(|_| SettingsError::BadAddress(addr.to_owned()))?,
-            ),
-        };
-        let server = if self.server.contains("://") {
-            self.server.trim().to_owned()
-        } else {
-            format!("http://{}", self.server.trim())
-        };
-        let tls = server.starts_with("https://");
-        if !tls && !server.starts_with("http://") {
-            return Err(SettingsError::BadServer(server));
-        }
-        for (flag, set) in [
-            ("--tls-ca", self.tls_ca.is_some()),
-            ("--tls-cert", self.tls_cert.is_some()),
-            ("--tls-key", self.tls_key.is_some()),
-            ("--tls-server-name", self.tls_server_name.is_some()),
-        ] {
-            if set && !tls {
-                return Err(SettingsError::TlsWithoutHttps(flag));
-            }
-        }
-        if self.tls_cert.is_some() != self.tls_key.is_some() {
-            return Err(SettingsError::CertWithoutKey);
-        }
-        let engine_metrics_url = match self.engine_metrics_url.as_deref().map(str::trim) {
-            None | Some("") | Some("off") => None,
-            Some(url) => Some(MetricsUrl::parse(url)?),
-        };
-        if engine_metrics_url.is_some() && self.metrics_interval.is_zero() {
-            return Err(SettingsError::Zero("--metrics-interval"));
-        }
+        self.check_identity()?;
+        let endpoints = self.endpoints()?;
+        self.check_sizes()?;
+        let lora_names = self.lora_names()?;
+        let metrics_listen = self.metrics_listen()?;
+        let ServerConnection { server, tls } = self.server_connection()?;
+        let engine_metrics_url = self.engine_metrics_url()?;
         Ok(Settings {
             endpoints,
             topic: self.topic.clone(),
@@ -329,21 +241,161 @@ impl SubscribeArgs {
                 .then_some(self.heartbeat_interval),
             engine_metrics_url,
             metrics_interval: self.metrics_interval,
-            tls: tls.then(|| TlsSettings {
-                ca: self.tls_ca.clone(),
-                cert: self.tls_cert.clone(),
-                key: self.tls_key.clone(),
-                server_name: self
-                    .tls_server_name
-                    .as_deref()
-                    .map(str::trim)
-                    .filter(|n| !n.is_empty())
-                    .map(str::to_owned),
-            }),
+            tls,
             token_file: self.token_file.clone(),
             metrics_listen,
         })
     }
+
+    /// Who reports, and where to: none of these may be blank.
+    fn check_identity(&self) -> Result<(), SettingsError> {
+        non_empty("--replica-id", &self.replica_id)?;
+        non_empty("--tenant", &self.tenant)?;
+        non_empty("--model", &self.model)?;
+        non_empty("--hash-scheme", &self.hash_scheme)?;
+        non_empty("--server", &self.server)
+    }
+
+    /// The publishers, each paired by position with its replay socket.
+    fn endpoints(&self) -> Result<Vec<EndpointSettings>, SettingsError> {
+        let endpoints: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if endpoints.is_empty() {
+            return Err(SettingsError::Empty("--endpoint"));
+        }
+        if self.replay_endpoints.len() > endpoints.len() {
+            return Err(SettingsError::TooManyReplayEndpoints {
+                endpoints: endpoints.len(),
+                replay: self.replay_endpoints.len(),
+            });
+        }
+        Ok(endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(index, endpoint)| EndpointSettings {
+                endpoint,
+                replay: self
+                    .replay_endpoints
+                    .get(index)
+                    .map(|r| r.trim().to_owned())
+                    .filter(|r| !r.is_empty()),
+            })
+            .collect())
+    }
+
+    /// Sizes that must be positive.
+    fn check_sizes(&self) -> Result<(), SettingsError> {
+        positive("--block-size", u64::from(self.block_size))?;
+        positive("--buffer-size", self.buffer_size as u64)?;
+        positive("--max-tracked-blocks", self.max_tracked_blocks as u64)?;
+        positive("--max-blocks-per-update", self.max_blocks_per_update as u64)
+    }
+
+    /// Engine LoRA id → adapter name, each id named once.
+    fn lora_names(&self) -> Result<HashMap<i64, Arc<str>>, SettingsError> {
+        let mut lora_names = HashMap::new();
+        for (id, name) in &self.lora_adapter_names {
+            if lora_names
+                .insert(*id, Arc::<str>::from(name.as_str()))
+                .is_some()
+            {
+                return Err(SettingsError::DuplicateLoraId(*id));
+            }
+        }
+        Ok(lora_names)
+    }
+
+    /// The subscriber's own `/metrics` listener, unless turned off.
+    fn metrics_listen(&self) -> Result<Option<SocketAddr>, SettingsError> {
+        match self.metrics_listen.trim() {
+            "" | "off" | "none" => Ok(None),
+            addr => addr
+                .parse::<SocketAddr>()
+                .map(Some)
+                .map_err(|_| SettingsError::BadAddress(addr.to_owned())),
+        }
+    }
+
+    /// The server's URI (`http://` added when no scheme is given) and, for
+    /// `https://`, its TLS settings; TLS flags need `https://`.
+    fn server_connection(&self) -> Result<ServerConnection, SettingsError> {
+        let server = if self.server.contains("://") {
+            self.server.trim().to_owned()
+        } else {
+            format!("http://{}", self.server.trim())
+        };
+        let https = server.starts_with("https://");
+        if !https && !server.starts_with("http://") {
+            return Err(SettingsError::BadServer(server));
+        }
+        if !https {
+            tls_flag_unset("--tls-ca", self.tls_ca.is_some())?;
+            tls_flag_unset("--tls-cert", self.tls_cert.is_some())?;
+            tls_flag_unset("--tls-key", self.tls_key.is_some())?;
+            tls_flag_unset("--tls-server-name", self.tls_server_name.is_some())?;
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(SettingsError::CertWithoutKey);
+        }
+        let tls = https.then(|| TlsSettings {
+            ca: self.tls_ca.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            server_name: self
+                .tls_server_name
+                .as_deref()
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned),
+        });
+        Ok(ServerConnection { server, tls })
+    }
+
+    /// The engine's Prometheus endpoint, unless off, and a scrape interval for it.
+    fn engine_metrics_url(&self) -> Result<Option<MetricsUrl>, SettingsError> {
+        let url = match self.engine_metrics_url.as_deref().map(str::trim) {
+            None | Some("") | Some("off") => None,
+            Some(url) => Some(MetricsUrl::parse(url)?),
+        };
+        if url.is_some() && self.metrics_interval.is_zero() {
+            return Err(SettingsError::Zero("--metrics-interval"));
+        }
+        Ok(url)
+    }
+}
+
+/// Where the subscriber reports: the server's URI and its TLS settings.
+struct ServerConnection {
+    /// `http://` or `https://` URI.
+    server: String,
+    /// `Some` exactly for `https://`.
+    tls: Option<TlsSettings>,
+}
+
+fn non_empty(flag: &'static str, value: &str) -> Result<(), SettingsError> {
+    if value.trim().is_empty() {
+        return Err(SettingsError::Empty(flag));
+    }
+    Ok(())
+}
+
+fn positive(flag: &'static str, value: u64) -> Result<(), SettingsError> {
+    if value == 0 {
+        return Err(SettingsError::Zero(flag));
+    }
+    Ok(())
+}
+
+/// A TLS flag given for a plaintext server is an error.
+fn tls_flag_unset(flag: &'static str, set: bool) -> Result<(), SettingsError> {
+    if set {
+        return Err(SettingsError::TlsWithoutHttps(flag));
+    }
+    Ok(())
 }
 
 /// One `id=name` item of `--lora-adapter-names`.
@@ -772,5 +824,41 @@ mod tests {
             resolve(&["--server", "grpc://p:1"]).err(),
             Some(SettingsError::BadServer(_))
         ));
+    }
+
+    #[test]
+    fn each_step_names_its_flag_and_the_first_bad_one_wins() {
+        assert_eq!(
+            resolve(&["--endpoint", " "]).err(),
+            Some(SettingsError::Empty("--endpoint"))
+        );
+        assert_eq!(
+            resolve(&["--replay-endpoint", "tcp://a:1,tcp://a:2"]).err(),
+            Some(SettingsError::TooManyReplayEndpoints {
+                endpoints: 1,
+                replay: 2
+            })
+        );
+        assert_eq!(
+            resolve(&["--max-blocks-per-update", "0"]).err(),
+            Some(SettingsError::Zero("--max-blocks-per-update"))
+        );
+        assert_eq!(
+            resolve(&["--metrics-listen", "here"]).err(),
+            Some(SettingsError::BadAddress("here".into()))
+        );
+        assert_eq!(
+            resolve(&["--tls-server-name", "p"]).err(),
+            Some(SettingsError::TlsWithoutHttps("--tls-server-name"))
+        );
+        // Identity before endpoints before sizes before the server.
+        assert_eq!(
+            resolve(&["--hash-scheme", "", "--endpoint", "", "--block-size", "0"]).err(),
+            Some(SettingsError::Empty("--hash-scheme"))
+        );
+        assert_eq!(
+            resolve(&["--block-size", "0", "--server", "grpc://p:1"]).err(),
+            Some(SettingsError::Zero("--block-size"))
+        );
     }
 }
