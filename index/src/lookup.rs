@@ -53,47 +53,32 @@ pub(crate) struct Candidate {
     active: bool,
 }
 
-/// Candidates on the stack, spilling to the heap past [`INLINE`].
+/// Candidates on the stack, spilling to the heap past [`INLINE`] (the
+/// inline room is not cleared up front).
 pub(crate) struct Candidates {
-    inline: [Candidate; INLINE],
-    len: usize,
-    spill: Vec<Candidate>,
+    list: SmallVec<[Candidate; INLINE]>,
 }
 
 impl Candidates {
     fn new() -> Self {
         Self {
-            inline: [Candidate::default(); INLINE],
-            len: 0,
-            spill: Vec::new(),
+            list: SmallVec::new(),
         }
     }
 
     /// Room for `n` candidates without growing one at a time.
     fn reserve(&mut self, n: usize) {
         if n > INLINE {
-            self.spill.reserve(n);
+            self.list.reserve(n);
         }
     }
 
     fn push(&mut self, c: Candidate) {
-        if self.spill.is_empty() && self.len < INLINE {
-            self.inline[self.len] = c;
-            self.len += 1;
-        } else {
-            if self.spill.is_empty() {
-                self.spill.extend_from_slice(&self.inline[..self.len]);
-            }
-            self.spill.push(c);
-        }
+        self.list.push(c);
     }
 
     fn as_mut_slice(&mut self) -> &mut [Candidate] {
-        if self.spill.is_empty() {
-            &mut self.inline[..self.len]
-        } else {
-            &mut self.spill
-        }
+        &mut self.list
     }
 
     /// Keeps the candidates that are live members of `serving`. Both are
@@ -101,32 +86,16 @@ impl Candidates {
     /// is one merge pass.
     fn retain_live(&mut self, serving: &Serving) {
         let mut at = 0;
-        let mut live = |c: &Candidate| {
+        self.list.retain(|c| {
             while at < serving.len() && serving[at] < c.replica {
                 at += 1;
             }
             at < serving.len() && serving[at] == c.replica
-        };
-        if self.spill.is_empty() {
-            let mut kept = 0;
-            for i in 0..self.len {
-                if live(&self.inline[i]) {
-                    self.inline[kept] = self.inline[i];
-                    kept += 1;
-                }
-            }
-            self.len = kept;
-        } else {
-            self.spill.retain(live);
-        }
+        });
     }
 
     pub(crate) fn as_slice(&self) -> &[Candidate] {
-        if self.spill.is_empty() {
-            &self.inline[..self.len]
-        } else {
-            &self.spill
-        }
+        &self.list
     }
 }
 
