@@ -53,6 +53,23 @@ fn write_between_readers<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     }
     lock.write()
 }
+/// A partition one update writes: its adapter, and the entries and keys
+/// the update added there.
+struct UpdatePart<'a> {
+    adapter: &'a str,
+    part: PartitionId,
+    added: i64,
+    new_keys: i64,
+}
+
+/// A prefix of an update that passed the checks: which of the update's
+/// partitions it goes to ([`UpdatePart`] index) and its tier.
+struct AcceptedPrefix<'a> {
+    slot: usize,
+    tier: u8,
+    prefix: &'a PrefixReport,
+}
+
 /// What an update names, resolved without interning (see
 /// [`CacheIndex::known_names`]).
 struct KnownNames {
@@ -351,11 +368,10 @@ impl CacheIndex {
             report.drop(DropReason::EmptyHashScheme, prefix_total);
             return report;
         }
-        // (adapter, partition, new entries, new keys) of this update.
-        let mut parts: Vec<(&str, PartitionId, i64, i64)> = Vec::with_capacity(1);
-        // Accepted prefixes: partition slot, tier, chain keys and the legacy key.
-        let mut accepted: Vec<(usize, u8, &PrefixReport)> =
-            Vec::with_capacity(update.prefixes.len());
+        // The partitions this update writes (one per adapter it names) and
+        // its accepted prefixes; on the stack for the usual few.
+        let mut parts: SmallVec<[UpdatePart<'_>; 2]> = SmallVec::new();
+        let mut accepted: SmallVec<[AcceptedPrefix<'_>; 4]> = SmallVec::new();
         for prefix in &update.prefixes {
             let has_chain =
                 !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
@@ -379,7 +395,7 @@ impl CacheIndex {
             } else {
                 prefix.adapter_id.as_str()
             };
-            let slot_index = match parts.iter().position(|(a, ..)| *a == adapter) {
+            let slot_index = match parts.iter().position(|p| p.adapter == adapter) {
                 Some(i) => i,
                 None => {
                     let p = match known_part {
@@ -391,7 +407,12 @@ impl CacheIndex {
                             adapter,
                         ),
                     };
-                    parts.push((adapter, p, 0, 0));
+                    parts.push(UpdatePart {
+                        adapter,
+                        part: p,
+                        added: 0,
+                        new_keys: 0,
+                    });
                     parts.len() - 1
                 }
             };
@@ -400,14 +421,18 @@ impl CacheIndex {
             } else {
                 prefix.tier
             };
-            accepted.push((slot_index, tier as u8, prefix));
+            accepted.push(AcceptedPrefix {
+                slot: slot_index,
+                tier: tier as u8,
+                prefix,
+            });
         }
         // The tenant's quota, enforced here as well as by the sweep.
         let quota_room = {
             let policies = self.policies.load();
             let quota = policies.for_tenant(&update.tenant_id).max_index_entries;
             match (quota, parts.first()) {
-                (Some(max), Some(&(_, part, ..))) => {
+                (Some(max), Some(&UpdatePart { part, .. })) => {
                     let catalog = self.catalog.read();
                     let held = catalog
                         .partitions
@@ -419,7 +444,7 @@ impl CacheIndex {
             }
         };
         let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
-        let mut keys: Vec<(Key<'_>, u32)> = Vec::new();
+        let mut keys: SmallVec<[(Key<'_>, u32); 64]> = SmallVec::new();
         let mut replica = replica;
         {
             let mut w = self.store.write();
@@ -431,16 +456,18 @@ impl CacheIndex {
                 let stale = {
                     let catalog = self.catalog.read();
                     !catalog.replica_alive(replica)
-                        || parts.iter().any(|p| catalog.partitions.get(p.1).is_none())
+                        || parts
+                            .iter()
+                            .any(|p| catalog.partitions.get(p.part).is_none())
                 };
                 if stale {
                     replica = self.replica_id(&update.replica_id);
-                    for part in parts.iter_mut() {
-                        part.1 = self.partition_id(
+                    for p in parts.iter_mut() {
+                        p.part = self.partition_id(
                             &update.tenant_id,
                             &update.model_id,
                             &update.hash_scheme,
-                            part.0,
+                            p.adapter,
                         );
                     }
                 }
@@ -453,8 +480,13 @@ impl CacheIndex {
                 max_holders: self.max_holders_per_key(),
                 ..Holding::default()
             };
-            for &(slot_index, tier, prefix) in &accepted {
-                let part = parts[slot_index].1;
+            for &AcceptedPrefix {
+                slot: slot_index,
+                tier,
+                prefix,
+            } in &accepted
+            {
+                let part = parts[slot_index].part;
                 let claim = Claim {
                     replica,
                     last_seen: now,
@@ -479,8 +511,8 @@ impl CacheIndex {
                         &mut holding,
                     );
                 }
-                parts[slot_index].2 += holding.added - before.0;
-                parts[slot_index].3 += holding.new_keys - before.1;
+                parts[slot_index].added += holding.added - before.0;
+                parts[slot_index].new_keys += holding.new_keys - before.1;
                 displaced.extend(holding.displaced[before.2..].iter().map(|&v| (part, v)));
                 report.accepted_prefixes += 1;
             }
@@ -490,9 +522,9 @@ impl CacheIndex {
             // Counters move with the store, under the writer, so a sweep
             // never sees cells its counters do not show.
             let mut deltas = Deltas::default();
-            for &(_, part, added, keys) in &parts {
-                deltas.entry(part, replica, added);
-                deltas.key(part, keys);
+            for p in &parts {
+                deltas.entry(p.part, replica, p.added);
+                deltas.key(p.part, p.new_keys);
             }
             for &(part, victim) in &displaced {
                 deltas.entry(part, victim, -1);
