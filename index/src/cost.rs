@@ -73,7 +73,7 @@ use crate::catalog::{Catalog, ReplicaId};
 use crate::fleet::Fleet;
 use crate::index::CacheIndex;
 use crate::lookup::{Candidate, Ctx, Ranked, Serving};
-use crate::model::{Chain, Decision, ReplicaScore, Tier};
+use crate::messages::{Chain, Decision, ReplicaScore, Tier};
 use crate::policy::CachePolicy;
 use crate::store::HashRef;
 
@@ -360,7 +360,7 @@ pub(crate) fn rank_by_cost(
             }
         })
         .collect();
-    Ranked::Hint(crate::model::Reason::PrefixMatch, scores)
+    Ranked::Hint(crate::messages::Reason::PrefixMatch, scores)
 }
 
 /// The AFFINITY_HINT of the cost-aware ranker: rendezvous hashing of the

@@ -37,7 +37,7 @@ use hashbrown::HashMap;
 use smallvec::SmallVec;
 
 use crate::catalog::{NameId, ReplicaId, shrink_map};
-use crate::model::ReplicaStatsReport;
+use crate::messages::ReplicaStatsReport;
 
 /// What the index knows about one replica.
 #[derive(Debug, Default)]

@@ -20,7 +20,7 @@ use smallvec::SmallVec;
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
 use crate::fleet::{Fleet, ReplicaRecord};
-use crate::model::{
+use crate::messages::{
     CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
     IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport, ScopeState,
     Snapshot, TenantSnapshot, Tier,

@@ -52,7 +52,7 @@ mod cost;
 mod fleet;
 mod index;
 mod lookup;
-mod model;
+mod messages;
 mod policy;
 mod store;
 mod sweep;
@@ -61,7 +61,7 @@ mod table;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_HOLDERS_PER_KEY};
 pub use lookup::{affinity_digest, pick_affinity};
-pub use model::{
+pub use messages::{
     BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, Decision, DropReason, EventKind,
     EventReport, EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT,
     PrefixReport, Reason, ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,

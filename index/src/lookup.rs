@@ -30,7 +30,7 @@ use crate::clock::ms_to_secs;
 use crate::cost::{bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
-use crate::model::{
+use crate::messages::{
     Chain, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier,
 };
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};

@@ -51,7 +51,7 @@ use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use crate::catalog::{PartitionId, ReplicaId};
-use crate::model::BlockHashes;
+use crate::messages::BlockHashes;
 use crate::table::{KeyTable, Probe};
 
 /// Blocks one run holds at most.

@@ -21,7 +21,7 @@ use hashbrown::HashMap;
 use crate::catalog::{Freed, NameId, ReplicaId};
 use crate::clock::ms_to_secs;
 use crate::index::{CacheIndex, Deltas};
-use crate::model::{EvictionReason, SweepReport};
+use crate::messages::{EvictionReason, SweepReport};
 use crate::policy::Eviction;
 use crate::store::{Cell, Writing};
 
