@@ -57,7 +57,7 @@ struct ServeArgs {
     #[arg(long, default_value = DEFAULT_GRPC_ADDR, env = "INFERENCE_CACHE_GRPC_ADDR")]
     grpc_addr: SocketAddr,
 
-    /// Admin HTTP listen address: /healthz, /readyz, /metrics, /policy, /snapshot.
+    /// Admin HTTP listen address: /healthz, /readyz, /metrics, /snapshot/accuracy, /policy, /snapshot.
     #[arg(long, default_value = DEFAULT_ADMIN_ADDR, env = "INFERENCE_CACHE_ADMIN_ADDR")]
     admin_addr: SocketAddr,
 

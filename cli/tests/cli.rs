@@ -56,6 +56,16 @@ fn help_documents_every_serve_flag() {
         help.contains("0.0.0.0:9090") && help.contains("127.0.0.1:8080"),
         "{help}"
     );
+    // --admin-addr lists the routes the admin listener serves, no more, no less.
+    let routes: Vec<&str> = help
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Admin HTTP listen address:"))
+        .expect("the --admin-addr help")
+        .trim()
+        .trim_end_matches('.')
+        .split(", ")
+        .collect();
+    assert_eq!(routes, inference_cache_server::ADMIN_ROUTES, "{help}");
 }
 
 #[test]

@@ -16,6 +16,25 @@ use axum::routing::get;
 
 use crate::metrics::Metrics;
 
+/// Every route of the admin listener: [`router`]'s, then the index's
+/// `/policy` and `/snapshot` (each of which `--admin-policy false` and
+/// `--admin-snapshot false` turn off). The crate documentation and
+/// `inference-cache serve --help` list the same routes; tests hold the three
+/// together.
+pub const ADMIN_ROUTES: [&str; 6] = [
+    HEALTHZ,
+    READYZ,
+    METRICS,
+    ACCURACY,
+    crate::index_runtime::POLICY_ROUTE,
+    crate::index_runtime::SNAPSHOT_ROUTE,
+];
+
+const HEALTHZ: &str = "/healthz";
+const READYZ: &str = "/readyz";
+const METRICS: &str = "/metrics";
+const ACCURACY: &str = "/snapshot/accuracy";
+
 /// Shared state of the admin routes.
 #[derive(Clone)]
 pub struct AdminState {
@@ -28,10 +47,10 @@ pub struct AdminState {
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/snapshot/accuracy", get(accuracy))
+        .route(HEALTHZ, get(|| async { "ok\n" }))
+        .route(READYZ, get(readyz))
+        .route(METRICS, get(metrics))
+        .route(ACCURACY, get(accuracy))
         .with_state(state)
 }
 
@@ -78,4 +97,23 @@ async fn accuracy(State(state): State<AdminState>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "application/json")],
         body.to_string(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ADMIN_ROUTES;
+
+    /// The crate documentation names every admin route, and no other.
+    #[test]
+    fn the_crate_docs_list_the_admin_routes() {
+        let docs: String = include_str!("lib.rs")
+            .lines()
+            .filter_map(|line| line.strip_prefix("//!"))
+            .collect();
+        let listed: Vec<&str> = docs
+            .split('`')
+            .filter(|word| word.starts_with('/'))
+            .collect();
+        assert_eq!(listed, ADMIN_ROUTES, "{docs}");
+    }
 }

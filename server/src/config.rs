@@ -25,7 +25,7 @@ pub const DEFAULT_DRAIN_TIMEOUT: &str = "20s";
 pub struct ServeConfig {
     /// gRPC listen address (HTTP/2, TLS with [`SecuritySettings::tls`]).
     pub grpc_addr: SocketAddr,
-    /// Admin HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
+    /// Admin HTTP listen address (the routes of [`crate::ADMIN_ROUTES`]).
     pub admin_addr: SocketAddr,
     /// Cache index: policy file, entry cap, engine block size, sweep interval.
     pub index: IndexSettings,

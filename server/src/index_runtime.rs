@@ -86,6 +86,11 @@ pub fn tune_allocator() {
 use crate::replication::LogSink;
 use crate::streams::{StreamArgs, StreamSettings, Streams};
 
+/// The admin route of the effective policies.
+pub const POLICY_ROUTE: &str = "/policy";
+/// The admin route of the index contents.
+pub const SNAPSHOT_ROUTE: &str = "/snapshot";
+
 /// Default `--sweep-interval`.
 pub const DEFAULT_SWEEP_INTERVAL: &str = "10s";
 
@@ -531,10 +536,10 @@ impl IndexState {
     pub fn routes(self: &Arc<Self>, policy: bool, snapshot: bool) -> Router {
         let mut router = Router::new();
         if policy {
-            router = router.route("/policy", get(policy_route));
+            router = router.route(POLICY_ROUTE, get(policy_route));
         }
         if snapshot {
-            router = router.route("/snapshot", get(snapshot_route));
+            router = router.route(SNAPSHOT_ROUTE, get(snapshot_route));
         }
         router.with_state(Arc::clone(self))
     }

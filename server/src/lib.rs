@@ -2,9 +2,11 @@
 //!
 //! [`start`] binds the gRPC listener (the `inferencecache.v1alpha1.InferenceCache`
 //! service plus `grpc.health.v1` and gRPC reflection) and the admin HTTP
-//! listener (`/healthz`, `/readyz`, `/metrics`, `/policy`, `/snapshot`), and returns a [`RunningServer`]
-//! carrying the bound addresses and a shutdown handle. The `inference-cache`
-//! binary is a thin clap front end over it; tests start it on port 0.
+//! listener ([`ADMIN_ROUTES`]: `/healthz`, `/readyz`, `/metrics`,
+//! `/snapshot/accuracy`, `/policy`, `/snapshot`), and returns a
+//! [`RunningServer`] carrying the bound addresses and a shutdown handle. The
+//! `inference-cache` binary is a thin clap front end over it; tests start it
+//! on port 0.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -38,6 +40,7 @@ mod streams;
 mod watch;
 
 pub use accuracy_watch::{AccuracyArgs, WatchSettings};
+pub use admin::ADMIN_ROUTES;
 pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
 };
