@@ -241,6 +241,16 @@ impl CacheIndex {
             reader.touch(&Key::of_bytes(p, c.hashes.get(0)));
         }
         let serving = self.serving_set(&ctx, &catalog, &fleet, names, scope);
+        // Then start loading the body of the first block's run; the
+        // members' loads (the cost-aware ranker reads every member's load
+        // once, for the ranking and for the fallback alike) are read while
+        // that miss is under way.
+        if let (Some(p), Some(c)) = (part, chain) {
+            reader.touch_run(&Key::of_bytes(p, c.hashes.get(0)));
+        }
+        let mut loads: Option<crate::cost::Members> = (policy.ranker == Ranker::CostAware
+            && part.is_some())
+        .then(|| self.member_loads(&ctx, &fleet, &serving));
         let mut cands = Candidates::new();
         let request_tokens: i64;
         let mut matched = match chain {
@@ -278,9 +288,6 @@ impl CacheIndex {
             matched = Matched::Miss;
         }
 
-        // The cost-aware ranker reads every member's load once, for the
-        // ranking and for the fallback alike.
-        let mut loads: Option<crate::cost::Members> = None;
         let missed = matches!(matched, Matched::Miss);
         let ranked = match (matched, policy.ranker) {
             (Matched::Hits, Ranker::Contract) => self.rank_prefix_match(
@@ -292,7 +299,8 @@ impl CacheIndex {
                 request_tokens,
             ),
             (Matched::Hits, Ranker::CostAware) => {
-                let members = loads.insert(self.member_loads(&ctx, &fleet, &serving));
+                let members =
+                    loads.get_or_insert_with(|| self.member_loads(&ctx, &fleet, &serving));
                 rank_by_cost(
                     &ctx,
                     &catalog,

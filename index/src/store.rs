@@ -625,6 +625,20 @@ impl Reader<'_> {
         self.table.touch(key.probe);
     }
 
+    /// Starts loading the body of the run the key's slot names (the first
+    /// one under its tag, unchecked: a hint), so that a
+    /// [`locate`](Self::locate) soon after finds it in cache.
+    pub fn touch_run(&self, key: &Key<'_>) {
+        self.table.find(key.probe, |loc| {
+            if let Some(body) = self.runs.get(split(loc).0).map(|slot| slot.load())
+                && let Some(body) = body.as_ref()
+            {
+                prefetch(&**body);
+            }
+            true
+        });
+    }
+
     /// The body and position holding `key` in `part`.
     pub fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(BodyGuard, usize)> {
         let mut found = None;
