@@ -76,7 +76,7 @@ fn release_server() -> PathBuf {
             .to_path_buf();
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "--release", "-p", "inference-cache-server"])
+            .args(["build", "--release", "-p", "inference-cache"])
             .args(["--bin", "inference-cache"])
             .env("CARGO_TARGET_DIR", &target_dir)
             .status()
