@@ -114,6 +114,13 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     pub stats_interval: Duration,
 
+    /// How often each replica re-reports every block it holds, as the KV-event
+    /// subscriber does (its `--refresh-interval`), keeping blocks an engine
+    /// holds for longer than the server's eviction TTL in the index; `0s`
+    /// never re-reports.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    pub refresh_interval: Duration,
+
     /// When the index learns of a replica's admissions and evictions: at
     /// routing time, or when the request's prefill completes (as engines report).
     #[arg(long, value_enum, default_value_t = ReportAt::Routing)]
@@ -316,6 +323,8 @@ impl ReplayArgs {
                 stats_interval_ms,
                 seed: self.seed,
                 report_at: self.report_at,
+                refresh_interval_ms: (!self.refresh_interval.is_zero())
+                    .then_some(self.refresh_interval.as_secs_f64() * 1000.0),
             },
             policies,
             policy_set,
@@ -328,4 +337,8 @@ impl ReplayArgs {
 }
 
 // The flag defaults above must agree with the library's.
-const _: () = assert!(DEFAULT_STATS_INTERVAL_MS == 500.0 && crate::sim::DEFAULT_TPOT_MS == 20.0);
+const _: () = assert!(
+    DEFAULT_STATS_INTERVAL_MS == 500.0
+        && crate::sim::DEFAULT_TPOT_MS == 20.0
+        && crate::sim::DEFAULT_REFRESH_INTERVAL_MS == 600_000.0
+);

@@ -62,8 +62,9 @@ pub use replica::{Load, Replica, Served, ServingModel};
 pub use report::{RunInfo, format_ms, render_json, render_table};
 pub use routed::{Answer, Backend, HASH_SCHEME, IndexRouter, MODEL, ReportAt, TENANT, replica_id};
 pub use sim::{
-    DEFAULT_PREFILL_TPS, DEFAULT_STATS_INTERVAL_MS, DEFAULT_TPOT_MS, PolicyResult, ReasonShare,
-    SimConfig, Spread, TtftSummary, fill_oracle_ratios, policies_for, simulate, simulate_with,
+    DEFAULT_PREFILL_TPS, DEFAULT_REFRESH_INTERVAL_MS, DEFAULT_STATS_INTERVAL_MS, DEFAULT_TPOT_MS,
+    PolicyResult, ReasonShare, SimConfig, Spread, TtftSummary, fill_oracle_ratios, policies_for,
+    simulate, simulate_with,
 };
 pub use svg::render_svg;
 pub use synthetic::{SyntheticConfig, generate};
@@ -115,8 +116,7 @@ fn run_rows(
                     };
                     let result = match taken {
                         Some(backend) => {
-                            let mut router =
-                                IndexRouter::new(backend, config.replicas, config.report_at);
+                            let mut router = IndexRouter::new(backend, config);
                             simulate_with(trace, policy, config, &mut router, progress)
                         }
                         None => simulate(trace, policy, config, policy_set, progress),
@@ -203,6 +203,7 @@ fn run_info(settings: &ReplaySettings, trace: &Trace) -> RunInfo {
             ReportAt::Routing => "routing",
             ReportAt::PrefillEnd => "prefill-end",
         },
+        refresh_interval_ms: settings.sim.refresh_interval_ms,
         index: settings
             .server
             .clone()

@@ -62,6 +62,16 @@ impl BlockLru {
         self.slots.is_empty()
     }
 
+    /// The held blocks, most recently used first.
+    pub fn blocks(&self) -> impl Iterator<Item = u64> + '_ {
+        let mut at = self.head;
+        std::iter::from_fn(move || {
+            let node = self.nodes.get(at as usize)?;
+            at = node.next;
+            Some(node.hash)
+        })
+    }
+
     /// Whether `hash` is held.
     pub fn contains(&self, hash: u64) -> bool {
         self.slots.contains_key(&hash)

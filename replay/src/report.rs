@@ -103,6 +103,9 @@ pub struct RunInfo {
     pub stats_interval_ms: f64,
     /// When the index learns of admissions: `routing` or `prefill-end`.
     pub report_at: &'static str,
+    /// Interval of the re-reports of every held block, simulated
+    /// milliseconds (absent: never).
+    pub refresh_interval_ms: Option<f64>,
     /// `in-process` or the server URL.
     pub index: String,
 }
@@ -133,7 +136,7 @@ pub fn render_table(run: &RunInfo, results: &[PolicyResult]) -> String {
     let _ = writeln!(
         out,
         "{}: {} requests, {} blocks of {} tokens; {} replicas × {} blocks; prefill {} tok/s, \
-         tpot {} ms, speedup {}; index {}, fed at {}",
+         tpot {} ms, speedup {}; index {}, fed at {}, refreshed {}",
         run.source,
         run.requests,
         run.blocks,
@@ -145,6 +148,10 @@ pub fn render_table(run: &RunInfo, results: &[PolicyResult]) -> String {
         run.speedup,
         run.index,
         run.report_at,
+        run.refresh_interval_ms.map_or_else(
+            || "never".to_string(),
+            |ms| format!("every {}", format_ms(ms))
+        ),
     );
     let header = [
         "policy",

@@ -16,7 +16,12 @@
 //!   [`ReportAt::PrefillEnd`] they are held back until the request's prefill
 //!   completes, as a real engine reports them, and delivered in order per
 //!   replica. Blocks that were already held are not re-reported, as the
-//!   engine emits no event for a cache hit.
+//!   engine emits no event for a cache hit;
+//! - every refresh interval (the subscriber's `--refresh-interval`, 10 min by
+//!   default) each replica re-reports every block it holds and the index has
+//!   heard of, as the subscriber does, so blocks that stay cached for hours
+//!   (a system prompt every request hits) outlive the index's eviction TTL
+//!   exactly as they do behind a real subscriber.
 //!
 //! Lookup: `tenant "replay"`, `model "trace"`, `hash_scheme "vllm"`, the
 //! request's whole chain as a wire chain. Gateway rule: route to
@@ -25,11 +30,14 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use hashbrown::{HashMap, HashSet};
+
 use inference_cache_index::{CacheEvent, CacheUpdate, EventKind, PrefixReport, ReplicaStatsReport};
 
 use crate::error::ReplayError;
 use crate::policy::{RoundRobin, RouteContext, Router};
 use crate::replica::{Load, Replica};
+use crate::sim::SimConfig;
 use crate::trace::Request;
 
 /// Tenant every replayed request belongs to.
@@ -38,6 +46,10 @@ pub const TENANT: &str = "replay";
 pub const MODEL: &str = "trace";
 /// Hash scheme of the trace's block ids.
 pub const HASH_SCHEME: &str = "vllm";
+
+/// Most blocks in one refresh update (the subscriber's
+/// `--max-blocks-per-update` default).
+const REFRESH_CHUNK_BLOCKS: usize = 1024;
 
 /// Reason codes on which the gateway follows the first replica of the answer.
 const ROUTED_ON: [&str; 3] = ["PREFIX_MATCH", "TENANT_HOT", "AFFINITY_HINT"];
@@ -117,11 +129,19 @@ pub struct IndexRouter<B> {
     /// The last routed request's predicted reuse: the hint's `matched_tokens`
     /// when routed on it, 0 otherwise.
     predicted: Option<u64>,
+    /// Re-report every held block this often (simulated ms), next at `next_refresh_ms`.
+    refresh_interval_ms: Option<f64>,
+    next_refresh_ms: f64,
+    /// Token count of every block reported stored (a partial last block has fewer).
+    block_tokens: HashMap<u64, i32>,
 }
 
 impl<B: Backend> IndexRouter<B> {
-    /// A router over `replicas` replicas whose feedback arrives at `report_at`.
-    pub fn new(backend: B, replicas: usize, report_at: ReportAt) -> Self {
+    /// A router over the configuration's replicas, fed at its `report_at` and
+    /// refreshed every `refresh_interval_ms`.
+    pub fn new(backend: B, config: &SimConfig) -> Self {
+        let replicas = config.replicas;
+        let refresh_interval_ms = config.refresh_interval_ms.filter(|&ms| ms > 0.0);
         Self {
             backend,
             ids: (0..replicas).map(replica_id).collect(),
@@ -129,10 +149,53 @@ impl<B: Backend> IndexRouter<B> {
             reasons: BTreeMap::new(),
             hashes: Vec::new(),
             counts: Vec::new(),
-            report_at,
+            report_at: config.report_at,
             pending: (0..replicas).map(|_| VecDeque::new()).collect(),
             predicted: None,
+            refresh_interval_ms,
+            next_refresh_ms: refresh_interval_ms.unwrap_or(f64::INFINITY),
+            block_tokens: HashMap::new(),
         }
+    }
+
+    /// Re-reports every block each replica holds whose admission the index
+    /// has been told of (a block whose report is still held back is left to
+    /// that report), in updates of at most [`REFRESH_CHUNK_BLOCKS`].
+    fn refresh(&mut self, replicas: &[Replica]) -> Result<(), ReplayError> {
+        for (i, replica) in replicas.iter().enumerate() {
+            let undelivered: HashSet<Vec<u8>> = self.pending[i]
+                .iter()
+                .filter_map(|p| p.update.as_ref())
+                .flat_map(|u| {
+                    u.prefixes
+                        .iter()
+                        .flat_map(|p| p.block_hashes.iter().cloned())
+                })
+                .collect();
+            let blocks: Vec<u64> = replica
+                .cache
+                .blocks()
+                .filter(|h| !undelivered.contains(h.to_be_bytes().as_slice()))
+                .collect();
+            for chunk in blocks.chunks(REFRESH_CHUNK_BLOCKS) {
+                let mut hashes = Vec::with_capacity(chunk.len());
+                wire_hashes(chunk, &mut hashes);
+                let counts = chunk
+                    .iter()
+                    .map(|h| self.block_tokens.get(h).copied().unwrap_or(0))
+                    .collect();
+                let update = CacheUpdate {
+                    prefixes: vec![PrefixReport {
+                        block_hashes: hashes,
+                        block_token_counts: counts,
+                        ..Default::default()
+                    }],
+                    ..self.update(i)
+                };
+                self.backend.ingest(update)?;
+            }
+        }
+        Ok(())
     }
 
     /// Delivers the held-back feedback due by `now_ms`.
@@ -214,6 +277,12 @@ impl<B: Backend> Router for IndexRouter<B> {
         self.backend.set_time(now_ms);
         self.deliver(now_ms)?;
         self.report_all(replicas)?;
+        if let Some(interval) = self.refresh_interval_ms
+            && now_ms >= self.next_refresh_ms
+        {
+            self.next_refresh_ms = now_ms + interval;
+            self.refresh(replicas)?;
+        }
         self.backend.housekeeping(now_ms);
         Ok(())
     }
@@ -264,11 +333,13 @@ impl<B: Backend> Router for IndexRouter<B> {
             let counts = stored
                 .iter()
                 .map(|&h| {
-                    if Some(h) == last {
+                    let tokens = if Some(h) == last {
                         last_tokens as i32
                     } else {
                         context.block_size as i32
-                    }
+                    };
+                    self.block_tokens.insert(h, tokens);
+                    tokens
                 })
                 .collect();
             CacheUpdate {

@@ -33,6 +33,9 @@ pub const DEFAULT_PREFILL_TPS: f64 = 20_000.0;
 pub const DEFAULT_TPOT_MS: f64 = 20.0;
 /// Default interval between load reports, milliseconds of simulated time.
 pub const DEFAULT_STATS_INTERVAL_MS: f64 = 500.0;
+/// Default interval between re-reports of every held block, milliseconds of
+/// simulated time: the subscriber's own default `--refresh-interval` (10 min).
+pub const DEFAULT_REFRESH_INTERVAL_MS: f64 = 600_000.0;
 
 /// Validated simulation parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,6 +54,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// When admissions and evictions reach the index.
     pub report_at: ReportAt,
+    /// Simulated milliseconds between the subscriber's re-reports of every
+    /// block a replica holds (`None`: never).
+    pub refresh_interval_ms: Option<f64>,
 }
 
 impl SimConfig {
@@ -67,6 +73,7 @@ impl SimConfig {
             stats_interval_ms: DEFAULT_STATS_INTERVAL_MS,
             seed: 1,
             report_at: ReportAt::Routing,
+            refresh_interval_ms: Some(DEFAULT_REFRESH_INTERVAL_MS),
         }
     }
 }
@@ -199,7 +206,7 @@ pub fn simulate(
 ) -> Result<PolicyResult, ReplayError> {
     if policy.uses_index() {
         let backend = InProcess::new(policies_for(policy, policies));
-        let mut router = IndexRouter::new(backend, config.replicas, config.report_at);
+        let mut router = IndexRouter::new(backend, config);
         return simulate_with(trace, policy, config, &mut router, progress);
     }
     match policy {

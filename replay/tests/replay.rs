@@ -246,7 +246,7 @@ fn the_index_holds_exactly_what_the_replicas_hold() {
             Policy::InferenceCacheCostAware,
         ] {
             let backend = InProcess::new(policies_for(policy, &PolicySet::default()));
-            let mut router = IndexRouter::new(backend, config.replicas, config.report_at);
+            let mut router = IndexRouter::new(backend, &config);
             let result =
                 simulate_with(&trace, policy, &config, &mut router, None).expect("replays");
             let held: u64 = result.cached_blocks.iter().sum();
@@ -316,6 +316,7 @@ fn outputs_are_well_formed() {
         speedup: 1.0,
         stats_interval_ms: 500.0,
         report_at: "routing",
+        refresh_interval_ms: Some(600_000.0),
         index: "in-process".into(),
     };
     let table = render_table(&info, &results);
@@ -494,7 +495,7 @@ fn feedback_arrives_at_routing_time_or_when_the_prefill_ends() {
         (ReportAt::PrefillEnd, [2000.0, 5500.0, 10_000.0]),
     ] {
         config.report_at = report_at;
-        let mut router = IndexRouter::new(Recording::default(), 1, report_at);
+        let mut router = IndexRouter::new(Recording::default(), &config);
         let result = simulate_with(&trace, Policy::InferenceCache, &config, &mut router, None)
             .expect("replays");
         let seen = router.backend();
@@ -545,4 +546,50 @@ fn long_sessions_spread_within_the_balance_bound() {
         ours.block_hit_rate,
         hash.block_hit_rate
     );
+}
+
+#[test]
+fn held_blocks_are_re_reported_so_they_outlive_the_eviction_ttl() {
+    // One conversation, a turn every 20 s for 6 minutes, each turn one block
+    // longer; the index forgets what it has not heard of for a minute. The
+    // engine keeps the conversation's head cached all along (every turn hits
+    // it) but reports it stored only once, as vLLM does.
+    let yaml = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+                metadata: { name: replay, namespace: replay }\n\
+                spec: { evictionTTL: 1m }\n";
+    let set = PolicySet::from_yaml(yaml).expect("valid policy");
+    let trace = Trace {
+        block_size: 64,
+        requests: (0..18u64)
+            .map(|turn| Request {
+                arrival_ms: turn * 20_000,
+                input_tokens: 64 * (turn as u32 + 3),
+                output_tokens: 1,
+                blocks: (1..=turn + 3).collect(),
+            })
+            .collect(),
+    };
+    let prefix_matches = |refresh_interval_ms: Option<f64>| {
+        let config = SimConfig {
+            refresh_interval_ms,
+            ..SimConfig::new(4, 100)
+        };
+        let r =
+            &replay_trace(&trace, &[Policy::InferenceCache], &config, &set).expect("replays")[0];
+        let reasons = r.reasons.as_ref().expect("index rows count reasons");
+        let count = reasons
+            .iter()
+            .find(|s| s.code == "PREFIX_MATCH")
+            .map_or(0, |s| s.count);
+        (count, r.block_hit_rate)
+    };
+    // Re-reported every 30 s, as the subscriber does: every turn after the
+    // first is routed to the conversation's cache.
+    let (refreshed, refreshed_hit) = prefix_matches(Some(30_000.0));
+    assert_eq!(refreshed, 17);
+    // Never re-reported: once the head is a minute old the index has dropped
+    // it, and the turns lose their match.
+    let (stale, stale_hit) = prefix_matches(None);
+    assert!(stale <= 8, "{stale} prefix matches without refreshes");
+    assert!(refreshed_hit > stale_hit);
 }
