@@ -72,6 +72,10 @@ struct Decayed {
 impl Decayed {
     fn get(&self, now_ms: u64, half_life_ms: u64) -> f64 {
         let value = f64::from_bits(self.value.load(Ordering::Relaxed));
+        if value == 0.0 {
+            // Nothing to decay: no `exp` (a lookup reads two of these per member).
+            return value;
+        }
         let at = self.at_ms.load(Ordering::Relaxed);
         value * decay(now_ms.saturating_sub(at), half_life_ms)
     }
@@ -143,11 +147,17 @@ impl ReplicaRecord {
     /// How full its cache runs: recent evictions per recent store, in
     /// [0, 1] (0 while it only grows; near 1 once every store evicts).
     pub fn churn(&self, now_ms: u64) -> f64 {
+        // Without recent evictions the ratio is 0 whatever was stored: the
+        // stored count (an `exp`) is only worked out when it matters.
+        let evicted = self.evicted.get(now_ms, CHURN_HALF_LIFE_MS);
+        if evicted == 0.0 {
+            return 0.0;
+        }
         let stored = self.stored.get(now_ms, CHURN_HALF_LIFE_MS);
         if stored < 1.0 {
             return 0.0;
         }
-        (self.evicted.get(now_ms, CHURN_HALF_LIFE_MS) / stored).min(1.0)
+        (evicted / stored).min(1.0)
     }
 
     /// Counts one request just hinted to it. Concurrent callers may lose an
