@@ -31,7 +31,8 @@ use crate::cost::{bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
-    Chain, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier,
+    BlockHashes, Chain, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore,
+    Tier,
 };
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
@@ -201,11 +202,19 @@ impl CacheIndex {
         } else {
             None
         };
+        // A chain's shape is checked and its tokens summed in one pass.
+        let mut chain_tokens = 0i64;
         if let Some(c) = chain {
-            if c.hashes.len() != c.token_counts.len()
-                || c.token_counts.iter().any(|&n| n < 0)
-                || (0..c.hashes.len()).any(|i| c.hashes.get(i).is_empty())
-            {
+            let mut negative = false;
+            for &n in c.token_counts {
+                negative |= n < 0;
+                chain_tokens += i64::from(n);
+            }
+            let empty_hash = match c.hashes {
+                BlockHashes::Bytes(hashes) => hashes.iter().any(Vec::is_empty),
+                BlockHashes::Fixed(_) => false,
+            };
+            if c.hashes.len() != c.token_counts.len() || negative || empty_hash {
                 return LookupOutcome::empty(Reason::NoHint, adapter);
             }
         } else if req.prefix_hash.is_empty() {
@@ -255,7 +264,7 @@ impl CacheIndex {
         let request_tokens: i64;
         let mut matched = match chain {
             Some(c) => {
-                request_tokens = c.token_counts.iter().map(|&n| i64::from(n)).sum();
+                request_tokens = chain_tokens;
                 match part {
                     Some(p) => walk_chain(&reader, p, c, &mut cands),
                     None => Matched::Miss,
