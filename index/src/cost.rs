@@ -6,9 +6,14 @@
 //! ```text
 //! uncached(r) = request tokens − tokens of the request r already holds
 //! load(r)     = queued(r) + pending(r)                       (prefill tokens)
-//! queued(r)   = (waiting + runningWeight × running) × mean request tokens
-//!               from r's last stats if younger than loadStatsMaxAge;
-//!               unknown otherwise → the mean of the members whose load is known
+//! queued(r)   = tokens(waiting) + runningWeight × tokens(running), from r's
+//!               last stats if younger than loadStatsMaxAge; unknown
+//!               otherwise → the mean of the members whose load is known
+//! tokens(n)   = uncached tokens of the n requests this index hinted to r
+//!               last before those stats (its queue is FIFO: the waiting
+//!               ones are the latest, the running ones came before them);
+//!               mean request tokens for each it did not send or no longer
+//!               remembers (it keeps the last 32)
 //! pending(r)  = uncached tokens this index hinted to r since those stats
 //! excess(r)   = recent(r) past its bound, × mean request tokens
 //!               × continuationWeight when the request continues a
@@ -142,14 +147,24 @@ impl CacheIndex {
             let queued = record.and_then(|r| {
                 let stats = r.stats.as_ref()?;
                 (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
-                    let requests = f64::from(stats.requests_waiting)
-                        + policy.running_weight * f64::from(stats.requests_running);
-                    let requests = if stats.requests_waiting == 0 && stats.requests_running == 0 {
-                        PRESSURE_REQUESTS * f64::from(stats.pressure).clamp(0.0, 1.0)
-                    } else {
-                        requests
+                    let (waiting, running) = (
+                        u64::from(stats.requests_waiting),
+                        u64::from(stats.requests_running),
+                    );
+                    if waiting == 0 && running == 0 {
+                        return PRESSURE_REQUESTS
+                            * f64::from(stats.pressure).clamp(0.0, 1.0)
+                            * mean_tokens;
+                    }
+                    // The requests it reports are the last ones hinted to it
+                    // (FIFO); those this index did not send, or no longer
+                    // remembers, count as a mean request.
+                    let queued_tokens = |skip: u64, count: u64| {
+                        let (tokens, known) = r.hinted_before_stats(skip, count);
+                        tokens as f64 + (count - known) as f64 * mean_tokens
                     };
-                    requests * mean_tokens
+                    queued_tokens(0, waiting)
+                        + policy.running_weight * queued_tokens(waiting, running)
                 })
             });
             match queued {

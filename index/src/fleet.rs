@@ -60,7 +60,18 @@ pub(crate) struct ReplicaRecord {
     /// Entries it reported stored and evicted recently (decayed counts).
     stored: Decayed,
     evicted: Decayed,
+    /// Uncached tokens of the last [`HINT_RING`] requests hinted to it (a
+    /// ring written at `hints`, the count of every hint), and that count when
+    /// its last stats arrived. Its queue is FIFO, so the requests it reported
+    /// waiting are the last ones sent before the report, and the ones it
+    /// reported running came just before those.
+    hint_tokens: [AtomicU64; HINT_RING],
+    hints: AtomicU64,
+    hints_at_stats: AtomicU64,
 }
+
+/// Hinted requests whose size a replica record remembers.
+const HINT_RING: usize = 32;
 
 /// A count that halves every half-life (`f64` bits) and when it last moved.
 #[derive(Debug, Default)]
@@ -119,6 +130,27 @@ impl ReplicaRecord {
     /// Counts `tokens` of prefill just hinted to it.
     pub fn add_pending(&self, tokens: u64) {
         self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let at = self.hints.fetch_add(1, Ordering::Relaxed);
+        self.hint_tokens[(at as usize) % HINT_RING].store(tokens, Ordering::Relaxed);
+    }
+
+    /// The uncached tokens of `count` requests hinted to it before its last
+    /// stats report, after skipping the `skip` most recent of those, and how
+    /// many of them it still remembers (the rest are older than the ring).
+    pub fn hinted_before_stats(&self, skip: u64, count: u64) -> (u64, u64) {
+        let end = self
+            .hints_at_stats
+            .load(Ordering::Relaxed)
+            .saturating_sub(skip);
+        let remembered_from = self
+            .hints
+            .load(Ordering::Relaxed)
+            .saturating_sub(HINT_RING as u64);
+        let start = end.saturating_sub(count).max(remembered_from);
+        let tokens = (start..end)
+            .map(|at| self.hint_tokens[(at as usize) % HINT_RING].load(Ordering::Relaxed))
+            .sum();
+        (tokens, end.saturating_sub(start))
     }
 
     /// Requests hinted to it recently: each counts 1, halving every
@@ -243,6 +275,9 @@ impl Fleet {
         record.stats = Some(stats);
         record.stats_at_ms = now_ms;
         record.pending_tokens.store(0, Ordering::Relaxed);
+        record
+            .hints_at_stats
+            .store(record.hints.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Adds `replica` to the serving set of `(tenant, model)`, under `scheme`

@@ -185,9 +185,9 @@ impl Default for CachePolicy {
             load_stats_max_age: Duration::from_secs(5),
             load_bound: 1.25,
             balance_half_life: Duration::from_secs(180),
-            contention_weight: 0.25,
+            contention_weight: 0.5,
             continuation_weight: 0.2,
-            full_cache_weight: 4.0,
+            full_cache_weight: 24.0,
             shadow: false,
         }
     }

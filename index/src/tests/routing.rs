@@ -565,3 +565,31 @@ fn full_caches_keep_new_sessions_with_the_holder_of_their_prefix() {
     );
     assert!(full > 0, "balance still moves some sessions");
 }
+
+#[test]
+fn the_requests_a_replica_reports_waiting_count_at_the_size_that_was_sent_there() {
+    // Both replicas report a request waiting; a's is a long prompt this
+    // index sent there, b's a short one. New sessions go to b.
+    let f = fixture();
+    cost_aware(&f);
+    for r in ["a", "b"] {
+        announce(&f, r);
+    }
+    f.hold("a", &chain(1..3));
+    f.hold("b", &chain(100..102));
+    let mut long = chain(1..3);
+    long.extend(chain(1_000..1_300));
+    assert_eq!(ids(&f.lookup_chain(&long))[0], "a");
+    let mut short = chain(100..102);
+    short.extend(chain(5_000..5_002));
+    assert_eq!(ids(&f.lookup_chain(&short))[0], "b");
+    load(&f, "a", 1, 0);
+    load(&f, "b", 1, 0);
+    let picks: Vec<String> = (0..4u64)
+        .map(|s| {
+            let o = f.lookup_chain(&chain(20_000 + s * 10..20_003 + s * 10));
+            o.scores[0].replica_id.to_string()
+        })
+        .collect();
+    assert!(picks.iter().all(|r| r == "b"), "{picks:?}");
+}
