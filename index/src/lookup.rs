@@ -174,6 +174,139 @@ fn expired(deadline: Option<Instant>) -> bool {
     deadline.is_some_and(|d| Instant::now() >= d)
 }
 
+/// The checks before the index is consulted: deadline, the policy's chain
+/// requirement, the scheme, the chain's shape; `Err` is the answer.
+fn admit<'r>(req: &LookupRequest<'r>, policy: &CachePolicy) -> Result<Admitted<'r>, LookupOutcome> {
+    let budget = policy.lookup_timeout_ms.map(|t| req.arrived + t);
+    let deadline = match (budget, req.deadline) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    if expired(deadline) {
+        return Err(LookupOutcome::empty(Reason::Timeout, ""));
+    }
+    if policy.strategy.require_chain && !req.wire_chain {
+        return Err(LookupOutcome::empty(Reason::PolicyRequiresChain, ""));
+    }
+    let adapter = req.adapter_id;
+    if req.hash_scheme.is_empty() || req.chain_malformed {
+        return Err(LookupOutcome::empty(Reason::NoHint, adapter));
+    }
+    let chain = if policy.strategy.enable_chain_matching {
+        req.chain.filter(|c| !c.hashes.is_empty())
+    } else {
+        None
+    };
+    // A chain's shape is checked and its tokens summed in one pass.
+    let request_tokens = match chain {
+        Some(c) => {
+            let mut negative = false;
+            let mut tokens = 0i64;
+            for &n in c.token_counts {
+                negative |= n < 0;
+                tokens += i64::from(n);
+            }
+            let empty_hash = match c.hashes {
+                BlockHashes::Bytes(hashes) => hashes.iter().any(Vec::is_empty),
+                BlockHashes::Fixed(_) => false,
+            };
+            if c.hashes.len() != c.token_counts.len() || negative || empty_hash {
+                return Err(LookupOutcome::empty(Reason::NoHint, adapter));
+            }
+            tokens
+        }
+        None if req.prefix_hash.is_empty() => {
+            return Err(LookupOutcome::empty(Reason::NoHint, adapter));
+        }
+        None => i64::from(req.prefix_token_count.max(0)),
+    };
+    Ok(Admitted {
+        deadline,
+        chain,
+        request_tokens,
+    })
+}
+
+/// The request's names, scope and partition, each name resolved once.
+fn resolve<'c>(catalog: &'c Catalog, req: &LookupRequest<'_>) -> Resolved<'c> {
+    let names = Names {
+        tenant: catalog.name(req.tenant_id),
+        model: catalog.name(req.model_id),
+        scheme: catalog.name(req.hash_scheme),
+    };
+    let (scope, part) = match (names.tenant, names.model, names.scheme) {
+        (Some(t), Some(m), Some(s)) => (
+            catalog.scope_of([t, m, s]),
+            catalog
+                .name(req.adapter_id)
+                .and_then(|a| catalog.partition_of([t, m, s, a])),
+        ),
+        _ => (None, None),
+    };
+    Resolved { names, scope, part }
+}
+
+/// Why the answer is what it is, and the ranking after the
+/// minimumPrefixTokens gate (which downgrades a hint for a short request).
+fn decide(
+    scene: &Scene<'_, '_>,
+    ranked: Ranked,
+    cands: &[Candidate],
+    missed: bool,
+) -> (Decision, Ranked) {
+    let decision = match &ranked {
+        Ranked::Hint(Reason::TenantHot, _) => Decision::TenantHot,
+        Ranked::Hint(_, scores) => {
+            let longest = cands.iter().map(|c| c.matched).max();
+            match (scores.first(), longest) {
+                (Some(top), Some(longest)) if i64::from(top.matched_tokens) < longest => {
+                    Decision::Load
+                }
+                _ => Decision::MatchDepth,
+            }
+        }
+        Ranked::Diagnostic(_) => Decision::Diagnostic,
+        Ranked::Downgraded { .. } if missed => Decision::NoMatch,
+        Ranked::Downgraded { why, .. } => *why,
+    };
+    let minimum = i64::from(scene.ctx.policy.minimum_prefix_tokens);
+    match ranked {
+        Ranked::Hint(_, _) if scene.admitted.request_tokens < minimum => {
+            (Decision::PrefixGate, Ranked::DOWNGRADED)
+        }
+        other => (decision, other),
+    }
+}
+
+/// A request that passed the checks before the index is consulted.
+struct Admitted<'r> {
+    /// The earlier of the policy's budget and the caller's deadline.
+    deadline: Option<Instant>,
+    /// The chain to match, when chain matching is on and the request has one.
+    chain: Option<Chain<'r>>,
+    /// The request's tokens: the chain's, else `prefix_token_count`.
+    request_tokens: i64,
+}
+
+/// Where a request lands in the catalog: its names, its scope and the
+/// partition of its adapter (each `None` when never seen).
+struct Resolved<'c> {
+    names: Names,
+    scope: Option<&'c std::sync::Arc<Scope>>,
+    part: Option<PartitionId>,
+}
+
+/// What the steps of one lookup after admission share.
+struct Scene<'a, 'r> {
+    req: &'a LookupRequest<'r>,
+    ctx: Ctx<'a>,
+    catalog: &'a Catalog,
+    fleet: &'a Fleet,
+    admitted: Admitted<'r>,
+    at: Resolved<'a>,
+    serving: Serving,
+}
+
 impl CacheIndex {
     /// Answers one LookupRoute.
     pub fn lookup(&self, req: &LookupRequest<'_>) -> LookupOutcome {
@@ -182,45 +315,10 @@ impl CacheIndex {
         }
         let policies = self.policies.load();
         let policy = policies.for_tenant(req.tenant_id);
-        let budget = policy.lookup_timeout_ms.map(|t| req.arrived + t);
-        let deadline = match (budget, req.deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        let admitted = match admit(req, policy) {
+            Ok(admitted) => admitted,
+            Err(outcome) => return outcome,
         };
-        if expired(deadline) {
-            return LookupOutcome::empty(Reason::Timeout, "");
-        }
-        if policy.strategy.require_chain && !req.wire_chain {
-            return LookupOutcome::empty(Reason::PolicyRequiresChain, "");
-        }
-        let adapter = req.adapter_id;
-        if req.hash_scheme.is_empty() || req.chain_malformed {
-            return LookupOutcome::empty(Reason::NoHint, adapter);
-        }
-        let chain = if policy.strategy.enable_chain_matching {
-            req.chain.filter(|c| !c.hashes.is_empty())
-        } else {
-            None
-        };
-        // A chain's shape is checked and its tokens summed in one pass.
-        let mut chain_tokens = 0i64;
-        if let Some(c) = chain {
-            let mut negative = false;
-            for &n in c.token_counts {
-                negative |= n < 0;
-                chain_tokens += i64::from(n);
-            }
-            let empty_hash = match c.hashes {
-                BlockHashes::Bytes(hashes) => hashes.iter().any(Vec::is_empty),
-                BlockHashes::Fixed(_) => false,
-            };
-            if c.hashes.len() != c.token_counts.len() || negative || empty_hash {
-                return LookupOutcome::empty(Reason::NoHint, adapter);
-            }
-        } else if req.prefix_hash.is_empty() {
-            return LookupOutcome::empty(Reason::NoHint, adapter);
-        }
-
         let ctx = Ctx {
             policy,
             now_ms: self.now_ms(),
@@ -228,92 +326,139 @@ impl CacheIndex {
         };
         let catalog = self.catalog.read();
         let fleet = self.fleet.read();
-        // Each name is resolved once.
-        let names = Names {
-            tenant: catalog.name(req.tenant_id),
-            model: catalog.name(req.model_id),
-            scheme: catalog.name(req.hash_scheme),
-        };
-        let (scope, part) = match (names.tenant, names.model, names.scheme) {
-            (Some(t), Some(m), Some(s)) => (
-                catalog.scope_of([t, m, s]),
-                catalog
-                    .name(adapter)
-                    .and_then(|a| catalog.partition_of([t, m, s, a])),
-            ),
-            _ => (None, None),
-        };
+        let at = resolve(&catalog, req);
         // Start the first block's key-table miss; the serving set is
         // worked out while it is under way.
         let reader = self.store.reader();
-        if let (Some(p), Some(c)) = (part, chain) {
-            reader.touch(&Key::of_bytes(p, c.hashes.get(0)));
+        let first = match (at.part, admitted.chain) {
+            (Some(p), Some(c)) => Some(Key::of_bytes(p, c.hashes.get(0))),
+            _ => None,
+        };
+        if let Some(key) = &first {
+            reader.touch(key);
         }
-        let serving = self.serving_set(&ctx, &catalog, &fleet, names, scope);
+        let serving = self.serving_set(&ctx, &catalog, &fleet, at.names, at.scope);
         // Then start loading the body of the first block's run; the
         // members' loads (the cost-aware ranker reads every member's load
         // once, for the ranking and for the fallback alike) are read while
         // that miss is under way.
-        if let (Some(p), Some(c)) = (part, chain) {
-            reader.touch_run(&Key::of_bytes(p, c.hashes.get(0)));
+        if let Some(key) = &first {
+            reader.touch_run(key);
         }
         let mut loads: Option<crate::cost::Members> = (policy.ranker == Ranker::CostAware
-            && part.is_some())
+            && at.part.is_some())
         .then(|| self.member_loads(&ctx, &fleet, &serving));
+        let scene = Scene {
+            req,
+            ctx,
+            catalog: &catalog,
+            fleet: &fleet,
+            admitted,
+            at,
+            serving,
+        };
         let mut cands = Candidates::new();
-        let request_tokens: i64;
-        let mut matched = match chain {
-            Some(c) => {
-                request_tokens = chain_tokens;
-                match part {
-                    Some(p) => walk_chain(&reader, p, c, &mut cands),
-                    None => Matched::Miss,
-                }
-            }
-            None => {
-                request_tokens = i64::from(req.prefix_token_count.max(0));
-                match part {
-                    Some(p) => {
-                        self.match_exact(p, req.prefix_hash, req.prefix_token_count, &mut cands)
-                    }
-                    None => Matched::Miss,
-                }
-            }
+        let matched = self.find_holders(&scene, &reader, &mut cands);
+        let missed = matches!(matched, Matched::Miss);
+        let ranked = self.rank(&scene, matched, &mut cands, &mut loads);
+        let (decision, ranked) = decide(&scene, ranked, cands.as_slice(), missed);
+        let outcome = self.answer(&scene, ranked, decision, cands.as_slice(), loads);
+        if expired(scene.admitted.deadline) {
+            return LookupOutcome::empty(Reason::Timeout, "");
+        }
+        // The cost-aware ranker counts the hinted prefill as load.
+        if policy.ranker == Ranker::CostAware {
+            self.count_hinted(
+                &catalog,
+                &fleet,
+                &scene.ctx,
+                &outcome,
+                (cands.as_slice(), &scene.serving),
+                scene.admitted.request_tokens,
+            );
+        }
+        let (part, chain) = (scene.at.part, scene.admitted.chain);
+        drop(scene);
+        drop(fleet);
+        // An LFU policy credits the blocks of a PREFIX_MATCH.
+        if outcome.reason == Reason::PrefixMatch
+            && policy.eviction == Eviction::Lfu
+            && let Some(p) = part
+        {
+            self.credit(
+                &catalog,
+                p,
+                chain,
+                req.prefix_hash,
+                &outcome.scores,
+                cands.as_slice(),
+            );
+        }
+        outcome
+    }
+
+    /// Matching: every live holder of the chain's leading blocks (or of the
+    /// exact key) becomes a candidate.
+    fn find_holders(
+        &self,
+        scene: &Scene<'_, '_>,
+        reader: &Reader<'_>,
+        cands: &mut Candidates,
+    ) -> Matched {
+        let Scene { req, admitted, .. } = scene;
+        let chain = admitted.chain;
+        let mut matched = match (scene.at.part, chain) {
+            (Some(p), Some(c)) => walk_chain(reader, p, c, cands),
+            (Some(p), None) => self.match_exact(p, req.prefix_hash, req.prefix_token_count, cands),
+            (None, _) => Matched::Miss,
         };
         // The cost-aware ranker counts where the deepest match ends: start
         // that counter's miss now.
-        if policy.ranker == Ranker::CostAware
+        if scene.ctx.policy.ranker == Ranker::CostAware
             && let Some(c) = chain
         {
             let deepest = cands.as_slice().iter().map(|c| c.blocks).max();
             if let Some(d) = deepest.filter(|&d| d > 0 && d as usize <= c.hashes.len()) {
-                fleet.reuse.prefetch(c.hashes.get(d as usize - 1));
+                scene.fleet.reuse.prefetch(c.hashes.get(d as usize - 1));
             }
         }
         // A replica that left or went silent is never named, and its
         // entries stop counting.
-        cands.retain_live(&serving);
+        cands.retain_live(&scene.serving);
         if cands.as_slice().is_empty() {
             matched = Matched::Miss;
         }
+        matched
+    }
 
-        let missed = matches!(matched, Matched::Miss);
-        let ranked = match (matched, policy.ranker) {
-            (Matched::Hits, Ranker::Contract) => self.rank_prefix_match(
-                &ctx,
-                &catalog,
-                &fleet,
-                serving.len(),
-                &mut cands,
-                request_tokens,
-            ),
+    /// Ranking: the policy's ranker over the candidates, or on a miss
+    /// TENANT_HOT, a diagnostic code or a downgrade.
+    fn rank(
+        &self,
+        scene: &Scene<'_, '_>,
+        matched: Matched,
+        cands: &mut Candidates,
+        loads: &mut Option<crate::cost::Members>,
+    ) -> Ranked {
+        let Scene {
+            ctx,
+            catalog,
+            fleet,
+            serving,
+            ..
+        } = scene;
+        let request_tokens = scene.admitted.request_tokens;
+        let chain = scene.admitted.chain;
+        match (matched, ctx.policy.ranker) {
+            (Matched::Hits, Ranker::Contract) => {
+                self.rank_prefix_match(ctx, catalog, fleet, serving.len(), cands, request_tokens)
+            }
             (Matched::Hits, Ranker::CostAware) => {
-                let members =
-                    loads.get_or_insert_with(|| self.member_loads(&ctx, &fleet, &serving));
+                let members = loads.get_or_insert_with(|| self.member_loads(ctx, fleet, serving));
                 rank_by_cost(
-                    &ctx,
-                    &catalog,
-                    &fleet,
+                    ctx,
+                    catalog,
+                    fleet,
                     members,
                     cands.as_slice(),
                     chain,
@@ -323,12 +468,12 @@ impl CacheIndex {
             }
             (Matched::Miss, _) => {
                 let hot = if chain.is_none() {
-                    self.tenant_hot(&ctx, &catalog, &fleet, scope, &serving)
+                    self.tenant_hot(ctx, catalog, fleet, scene.at.scope, serving)
                 } else {
                     Vec::new()
                 };
                 if hot.is_empty() {
-                    match self.classify(&catalog, req) {
+                    match self.classify(catalog, scene.req) {
                         Some(code) => Ranked::Diagnostic(code),
                         None => Ranked::DOWNGRADED,
                     }
@@ -336,30 +481,31 @@ impl CacheIndex {
                     Ranked::Hint(Reason::TenantHot, hot)
                 }
             }
-        };
-        let mut decision = match &ranked {
-            Ranked::Hint(Reason::TenantHot, _) => Decision::TenantHot,
-            Ranked::Hint(_, scores) => {
-                let longest = cands.as_slice().iter().map(|c| c.matched).max();
-                match (scores.first(), longest) {
-                    (Some(top), Some(longest)) if i64::from(top.matched_tokens) < longest => {
-                        Decision::Load
-                    }
-                    _ => Decision::MatchDepth,
-                }
-            }
-            Ranked::Diagnostic(_) => Decision::Diagnostic,
-            Ranked::Downgraded { .. } if missed => Decision::NoMatch,
-            Ranked::Downgraded { why, .. } => *why,
-        };
-        let ranked = match ranked {
-            Ranked::Hint(_, _) if request_tokens < i64::from(policy.minimum_prefix_tokens) => {
-                decision = Decision::PrefixGate;
-                Ranked::DOWNGRADED
-            }
-            other => other,
-        };
-        let outcome = match ranked {
+        }
+    }
+
+    /// The answer: a positive hint as ranked, a diagnostic code, or for a
+    /// downgrade the affinity fallback (AFFINITY_HINT) or NO_HINT.
+    fn answer(
+        &self,
+        scene: &Scene<'_, '_>,
+        ranked: Ranked,
+        decision: Decision,
+        cands: &[Candidate],
+        loads: Option<crate::cost::Members>,
+    ) -> LookupOutcome {
+        let Scene {
+            req,
+            ctx,
+            catalog,
+            fleet,
+            serving,
+            ..
+        } = scene;
+        let policy = ctx.policy;
+        let adapter = req.adapter_id;
+        let chain = scene.admitted.chain;
+        match ranked {
             Ranked::Hint(reason, scores) => LookupOutcome {
                 reason,
                 scores,
@@ -370,21 +516,20 @@ impl CacheIndex {
             Ranked::Downgraded { seed_block, .. } => {
                 let pick = match policy.ranker {
                     Ranker::Contract => {
-                        self.affinity(policy, &catalog, &serving, chain, req.prefix_hash)
+                        self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        let members = loads
-                            .take()
-                            .unwrap_or_else(|| self.member_loads(&ctx, &fleet, &serving));
+                        let members =
+                            loads.unwrap_or_else(|| self.member_loads(ctx, fleet, serving));
                         bounded_affinity(
                             policy,
-                            &catalog,
+                            catalog,
                             &members,
-                            cands.as_slice(),
+                            cands,
                             chain,
                             seed_block,
                             req.prefix_hash,
-                            request_tokens,
+                            scene.admitted.request_tokens,
                             self.mean_request_tokens(),
                         )
                     }
@@ -402,35 +547,7 @@ impl CacheIndex {
                     },
                 }
             }
-        };
-        if expired(deadline) {
-            return LookupOutcome::empty(Reason::Timeout, "");
         }
-        if policy.ranker == Ranker::CostAware {
-            self.count_hinted(
-                &catalog,
-                &fleet,
-                &ctx,
-                &outcome,
-                (cands.as_slice(), &serving),
-                request_tokens,
-            );
-        }
-        drop(fleet);
-        if outcome.reason == Reason::PrefixMatch
-            && policy.eviction == Eviction::Lfu
-            && let Some(p) = part
-        {
-            self.credit(
-                &catalog,
-                p,
-                chain,
-                req.prefix_hash,
-                &outcome.scores,
-                cands.as_slice(),
-            );
-        }
-        outcome
     }
 
     /// Live members of the request's `(tenant, model)` that serve its hash
