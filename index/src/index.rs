@@ -70,6 +70,24 @@ struct AcceptedPrefix<'a> {
     prefix: &'a PrefixReport,
 }
 
+/// An update's accepted prefixes and the partitions they go to.
+struct Accepted<'u> {
+    /// One per adapter the update names; on the stack for the usual few.
+    parts: SmallVec<[UpdatePart<'u>; 2]>,
+    prefixes: SmallVec<[AcceptedPrefix<'u>; 4]>,
+}
+
+/// What writing an update did.
+struct Written {
+    /// The sender's id (looked up again if a sweep freed the first one).
+    replica: ReplicaId,
+    /// Prefixes written.
+    prefixes: u64,
+    /// Holders that made room under the holders-per-key bound.
+    displaced: usize,
+    holding: Holding,
+}
+
 /// What an update names, resolved without interning (see
 /// [`CacheIndex::known_names`]).
 struct KnownNames {
@@ -341,37 +359,75 @@ impl CacheIndex {
             return report;
         }
         let now_ms = self.now_ms();
-        let now = ms_to_secs(now_ms);
+        let sender = self.announce(update, now_ms);
+        report.stats_recorded = update.stats.is_some();
+        if update.hash_scheme.is_empty() {
+            report.drop(DropReason::EmptyHashScheme, prefix_total);
+            return report;
+        }
+        let mut accepted = self.accept(update, sender.part, &mut report);
+        let quota_room = self.quota_room(update, &accepted.parts);
+        let written = self.write(update, sender.replica, &mut accepted, quota_room, now_ms);
+        report.accepted_prefixes = written.prefixes;
+        report.entries_written = written.holding.written;
+        report.entries_added = written.holding.added.max(0) as u64;
+        report.entries_refused = written.holding.refused;
+        if report.entries_added > 0
+            && let Some(record) = self.fleet.read().records.get(&written.replica)
+        {
+            record.note_churn(now_ms, report.entries_added, 0);
+        }
+        report.holders_displaced = written.displaced as u64;
+        self.count_evictions(EvictionReason::HoldersPerKey, report.holders_displaced);
+        if report.entries_refused > 0 {
+            self.refused
+                .fetch_add(report.entries_refused, Ordering::Relaxed);
+            self.refused_since_sweep
+                .fetch_add(report.entries_refused, Ordering::Relaxed);
+        }
+        report
+    }
+
+    /// The sender of an update: its replica id (interned on first contact),
+    /// heard from now, its stats recorded and, when the update names tenant,
+    /// model and scheme, joined to that serving set; and the partition of
+    /// the update's own adapter when it is known already.
+    fn announce(&self, update: &CacheUpdate, now_ms: u64) -> KnownNames {
         let wants_join = !update.hash_scheme.is_empty()
             && !update.tenant_id.is_empty()
             && !update.model_id.is_empty();
         // The steady stream of reports names a known replica in a known,
         // joined scope: resolve all of it under one read lock. Anything new
         // goes the way that interns it.
-        let known = self.known_names(update, wants_join);
-        let (replica, join, known_part) = match known {
-            Some(k) => (k.replica, k.join, k.part),
-            None => {
-                let replica = self.replica_id(&update.replica_id);
-                let join = wants_join.then(|| {
-                    let ids =
-                        self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
-                    self.note_joined([ids[0], ids[1]]);
-                    ids
-                });
-                (replica, join, None)
+        let sender = self.known_names(update, wants_join).unwrap_or_else(|| {
+            let replica = self.replica_id(&update.replica_id);
+            let join = wants_join.then(|| {
+                let ids = self.name_ids([&update.tenant_id, &update.model_id, &update.hash_scheme]);
+                self.note_joined([ids[0], ids[1]]);
+                ids
+            });
+            KnownNames {
+                replica,
+                join,
+                part: None,
             }
+        });
+        self.record_stats(sender.replica, update.stats.as_ref(), now_ms, sender.join);
+        sender
+    }
+
+    /// The update's prefixes that pass the checks (the others are counted
+    /// as dropped in `report`), and the partitions they go to.
+    fn accept<'u>(
+        &self,
+        update: &'u CacheUpdate,
+        known_part: Option<PartitionId>,
+        report: &mut IngestReport,
+    ) -> Accepted<'u> {
+        let mut accepted = Accepted {
+            parts: SmallVec::new(),
+            prefixes: SmallVec::new(),
         };
-        self.record_stats(replica, update.stats.as_ref(), now_ms, join);
-        report.stats_recorded = update.stats.is_some();
-        if update.hash_scheme.is_empty() {
-            report.drop(DropReason::EmptyHashScheme, prefix_total);
-            return report;
-        }
-        // The partitions this update writes (one per adapter it names) and
-        // its accepted prefixes; on the stack for the usual few.
-        let mut parts: SmallVec<[UpdatePart<'_>; 2]> = SmallVec::new();
-        let mut accepted: SmallVec<[AcceptedPrefix<'_>; 4]> = SmallVec::new();
         for prefix in &update.prefixes {
             let has_chain =
                 !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
@@ -395,10 +451,11 @@ impl CacheIndex {
             } else {
                 prefix.adapter_id.as_str()
             };
-            let slot_index = match parts.iter().position(|p| p.adapter == adapter) {
+            let parts = &mut accepted.parts;
+            let slot = match parts.iter().position(|p| p.adapter == adapter) {
                 Some(i) => i,
                 None => {
-                    let p = match known_part {
+                    let part = match known_part {
                         Some(p) if adapter == update.adapter_id => p,
                         _ => self.partition_id(
                             &update.tenant_id,
@@ -409,7 +466,7 @@ impl CacheIndex {
                     };
                     parts.push(UpdatePart {
                         adapter,
-                        part: p,
+                        part,
                         added: 0,
                         new_keys: 0,
                     });
@@ -421,130 +478,127 @@ impl CacheIndex {
             } else {
                 prefix.tier
             };
-            accepted.push(AcceptedPrefix {
-                slot: slot_index,
+            accepted.prefixes.push(AcceptedPrefix {
+                slot,
                 tier: tier as u8,
                 prefix,
             });
         }
-        // The tenant's quota, enforced here as well as by the sweep.
-        let quota_room = {
-            let policies = self.policies.load();
-            let quota = policies.for_tenant(&update.tenant_id).max_index_entries;
-            match (quota, parts.first()) {
-                (Some(max), Some(&UpdatePart { part, .. })) => {
-                    let catalog = self.catalog.read();
-                    let held = catalog
-                        .partitions
-                        .get(part)
-                        .map_or(0, |p| p.tenant_entries.load(Ordering::Relaxed));
-                    i64::try_from(max).unwrap_or(i64::MAX) - held
-                }
-                _ => i64::MAX,
+        accepted
+    }
+
+    /// New entries the tenant's quota still allows (enforced here as well
+    /// as by the sweep).
+    fn quota_room(&self, update: &CacheUpdate, parts: &[UpdatePart<'_>]) -> i64 {
+        let policies = self.policies.load();
+        let quota = policies.for_tenant(&update.tenant_id).max_index_entries;
+        match (quota, parts.first()) {
+            (Some(max), Some(&UpdatePart { part, .. })) => {
+                let catalog = self.catalog.read();
+                let held = catalog
+                    .partitions
+                    .get(part)
+                    .map_or(0, |p| p.tenant_entries.load(Ordering::Relaxed));
+                i64::try_from(max).unwrap_or(i64::MAX) - held
             }
-        };
+            _ => i64::MAX,
+        }
+    }
+
+    /// Writes the accepted prefixes' blocks under the store's writer and
+    /// applies the counter deltas before letting it go.
+    fn write(
+        &self,
+        update: &CacheUpdate,
+        replica: ReplicaId,
+        accepted: &mut Accepted<'_>,
+        quota_room: i64,
+        now_ms: u64,
+    ) -> Written {
+        let parts = &mut accepted.parts;
         let mut displaced: Vec<(PartitionId, ReplicaId)> = Vec::new();
         let mut keys: SmallVec<[(Key<'_>, u32); 64]> = SmallVec::new();
         let mut replica = replica;
-        {
-            let mut w = self.store.write();
-            // A sweep may have freed an id resolved above (nothing held
-            // under it then); sweeps free under the writer, so checking here
-            // is enough. Ids are never reused, so a stale one cannot name
-            // another replica or partition.
-            {
-                let stale = {
-                    let catalog = self.catalog.read();
-                    !catalog.replica_alive(replica)
-                        || parts
-                            .iter()
-                            .any(|p| catalog.partitions.get(p.part).is_none())
-                };
-                if stale {
-                    replica = self.replica_id(&update.replica_id);
-                    for p in parts.iter_mut() {
-                        p.part = self.partition_id(
-                            &update.tenant_id,
-                            &update.model_id,
-                            &update.hash_scheme,
-                            p.adapter,
-                        );
-                    }
-                }
-            }
-            // New entries this update may still add under the global cap.
-            let cap = i64::try_from(self.max_entries()).unwrap_or(i64::MAX);
-            let global_room = cap.saturating_sub(i64::try_from(w.entries()).unwrap_or(i64::MAX));
-            let mut holding = Holding {
-                room: global_room.min(quota_room),
-                max_holders: self.max_holders_per_key(),
-                ..Holding::default()
-            };
-            for &AcceptedPrefix {
-                slot: slot_index,
-                tier,
-                prefix,
-            } in &accepted
-            {
-                let part = parts[slot_index].part;
-                let claim = Claim {
-                    replica,
-                    last_seen: now,
-                    tier,
-                };
-                let before = (holding.added, holding.new_keys, holding.displaced.len());
-                keys.clear();
-                keys.extend(
-                    prefix
-                        .block_hashes
-                        .iter()
-                        .zip(&prefix.block_token_counts)
-                        .map(|(hash, &count)| (Key::of_bytes(part, hash), count.max(0) as u32)),
+        let mut w = self.store.write();
+        // A sweep may have freed an id resolved above (nothing held under
+        // it then); sweeps free under the writer, so checking here is
+        // enough. Ids are never reused, so a stale one cannot name another
+        // replica or partition.
+        let stale = {
+            let catalog = self.catalog.read();
+            !catalog.replica_alive(replica)
+                || parts
+                    .iter()
+                    .any(|p| catalog.partitions.get(p.part).is_none())
+        };
+        if stale {
+            replica = self.replica_id(&update.replica_id);
+            for p in parts.iter_mut() {
+                p.part = self.partition_id(
+                    &update.tenant_id,
+                    &update.model_id,
+                    &update.hash_scheme,
+                    p.adapter,
                 );
-                w.hold(part, &keys, claim, &mut holding);
-                if !prefix.prefix_hash.is_empty() {
-                    let key = Key::of_bytes(part, &prefix.prefix_hash);
-                    w.hold(
-                        part,
-                        &[(key, prefix.token_count.max(0) as u32)],
-                        claim,
-                        &mut holding,
-                    );
-                }
-                parts[slot_index].added += holding.added - before.0;
-                parts[slot_index].new_keys += holding.new_keys - before.1;
-                displaced.extend(holding.displaced[before.2..].iter().map(|&v| (part, v)));
-                report.accepted_prefixes += 1;
             }
-            report.entries_written = holding.written;
-            report.entries_added = holding.added.max(0) as u64;
-            report.entries_refused = holding.refused;
-            // Counters move with the store, under the writer, so a sweep
-            // never sees cells its counters do not show.
-            let mut deltas = Deltas::default();
-            for p in &parts {
-                deltas.entry(p.part, replica, p.added);
-                deltas.key(p.part, p.new_keys);
+        }
+        // New entries this update may still add under the global cap.
+        let cap = i64::try_from(self.max_entries()).unwrap_or(i64::MAX);
+        let global_room = cap.saturating_sub(i64::try_from(w.entries()).unwrap_or(i64::MAX));
+        let mut holding = Holding {
+            room: global_room.min(quota_room),
+            max_holders: self.max_holders_per_key(),
+            ..Holding::default()
+        };
+        let claim_at = |tier| Claim {
+            replica,
+            last_seen: ms_to_secs(now_ms),
+            tier,
+        };
+        for &AcceptedPrefix { slot, tier, prefix } in &accepted.prefixes {
+            let part = parts[slot].part;
+            let claim = claim_at(tier);
+            let before = (holding.added, holding.new_keys, holding.displaced.len());
+            keys.clear();
+            keys.extend(
+                prefix
+                    .block_hashes
+                    .iter()
+                    .zip(&prefix.block_token_counts)
+                    .map(|(hash, &count)| (Key::of_bytes(part, hash), count.max(0) as u32)),
+            );
+            w.hold(part, &keys, claim, &mut holding);
+            if !prefix.prefix_hash.is_empty() {
+                let key = Key::of_bytes(part, &prefix.prefix_hash);
+                w.hold(
+                    part,
+                    &[(key, prefix.token_count.max(0) as u32)],
+                    claim,
+                    &mut holding,
+                );
             }
-            for &(part, victim) in &displaced {
-                deltas.entry(part, victim, -1);
-            }
-            self.apply(&deltas);
+            parts[slot].added += holding.added - before.0;
+            parts[slot].new_keys += holding.new_keys - before.1;
+            displaced.extend(holding.displaced[before.2..].iter().map(|&v| (part, v)));
         }
-        if report.entries_added > 0
-            && let Some(record) = self.fleet.read().records.get(&replica)
-        {
-            record.note_churn(now_ms, report.entries_added, 0);
+        // Counters move with the store, under the writer, so a sweep never
+        // sees cells its counters do not show.
+        let mut deltas = Deltas::default();
+        for p in parts.iter() {
+            deltas.entry(p.part, replica, p.added);
+            deltas.key(p.part, p.new_keys);
         }
-        report.holders_displaced = displaced.len() as u64;
-        self.count_evictions(EvictionReason::HoldersPerKey, report.holders_displaced);
-        if report.entries_refused > 0 {
-            self.refused
-                .fetch_add(report.entries_refused, Ordering::Relaxed);
-            self.refused_since_sweep
-                .fetch_add(report.entries_refused, Ordering::Relaxed);
+        for &(part, victim) in &displaced {
+            deltas.entry(part, victim, -1);
         }
-        report
+        self.apply(&deltas);
+        drop(w);
+        Written {
+            replica,
+            prefixes: accepted.prefixes.len() as u64,
+            displaced: displaced.len(),
+            holding,
+        }
     }
 
     /// New entries refused at the global entry cap so far.
