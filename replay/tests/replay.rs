@@ -593,3 +593,18 @@ fn held_blocks_are_re_reported_so_they_outlive_the_eviction_ttl() {
     assert!(stale <= 8, "{stale} prefix matches without refreshes");
     assert!(refreshed_hit > stale_hit);
 }
+
+#[test]
+fn the_modelled_refresh_is_the_subscribers_default() {
+    let subscriber =
+        inference_cache_index::parse_duration(inference_cache_subscriber::DEFAULT_REFRESH_INTERVAL)
+            .expect("the subscriber's default parses");
+    assert_eq!(
+        subscriber.as_secs_f64() * 1000.0,
+        DEFAULT_REFRESH_INTERVAL_MS
+    );
+    assert_eq!(
+        SimConfig::new(1, 1).refresh_interval_ms,
+        Some(DEFAULT_REFRESH_INTERVAL_MS)
+    );
+}

@@ -98,7 +98,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-pub use args::{EndpointSettings, MetricsUrl, Settings, SettingsError, SubscribeArgs, TlsSettings};
+pub use args::{
+    DEFAULT_REFRESH_INTERVAL, EndpointSettings, MetricsUrl, Settings, SettingsError, SubscribeArgs,
+    TlsSettings,
+};
 pub use client::ClientSetupError;
 pub use decode::{DecodeError, decode_batch};
 pub use event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
