@@ -934,6 +934,7 @@ impl CacheIndex {
         held: &HashMap<ReplicaId, i64>,
     ) -> Vec<ReplicaState> {
         let fleet = self.fleet.read();
+        let now_ms = self.now_ms();
         let mut out: Vec<ReplicaState> = held
             .iter()
             .map(|(&r, &entries)| {
@@ -946,6 +947,7 @@ impl CacheIndex {
                     entries,
                     heartbeats: record.is_some_and(ReplicaRecord::heartbeats),
                     pending_tokens: record.map_or(0, |x| x.pending()),
+                    cache_full: record.map_or(0.0, |x| x.churn(now_ms)),
                     member_of: fleet
                         .memberships_of(r)
                         .into_iter()

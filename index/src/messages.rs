@@ -490,6 +490,9 @@ pub struct ReplicaState {
     pub heartbeats: bool,
     /// Prefill tokens hinted to it since its last stats report.
     pub pending_tokens: u64,
+    /// How full its cache runs: its recent evictions per recent store, in
+    /// [0, 1] (1: every block it stores evicts one; see `fullCacheWeight`).
+    pub cache_full: f64,
     /// `tenant/model` serving sets it is a member of.
     pub member_of: Vec<String>,
 }

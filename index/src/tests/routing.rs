@@ -529,6 +529,12 @@ fn new_sessions_leaving_the_holder(full_caches: bool, full_cache_weight: &str) -
             }
         }
     }
+    let snapshot = f.index.snapshot();
+    assert_eq!(snapshot.replicas.len(), 4, "every member is listed");
+    for r in &snapshot.replicas {
+        let expected = if full_caches { 1.0 } else { 0.0 };
+        assert_eq!(r.cache_full, expected, "{}", r.replica_id);
+    }
     let preamble = chain(1..11);
     f.hold("a", &preamble);
     let mut elsewhere = 0;
