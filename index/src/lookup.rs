@@ -890,6 +890,14 @@ fn walk_chain(
         if i == 0 {
             body.touch_cells(pos);
         }
+        // A request that follows this run to its end goes on at block
+        // `end`: start that block's key-table miss now, so that it overlaps
+        // the compares (a long prompt crosses a run end every 64 blocks; a
+        // request that branches off earlier wastes one prefetch).
+        let end = i + (len - pos);
+        if end < n {
+            reader.touch(&Key::of_bytes(part, chain.hashes.get(end)));
+        }
         // How far the request follows this run: one compare per block.
         let m = body.follow(pos, len, chain.hashes, i);
         // Where the request leaves the run it continues through another
