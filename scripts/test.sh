@@ -75,11 +75,16 @@ cargo build -p inference-cache-fingerprint -p inference-cache-proto \
     --target wasm32-wasip1 --profile wasm
 
 step "cargo test --workspace: build"
-cargo test --workspace --all-targets --no-run
+cargo test --workspace --all-targets --no-run --message-format=json-render-diagnostics \
+    >.cache/test-build.json
 
-step "cargo test --workspace: run"
-cargo test --workspace --all-targets --no-fail-fast
-cargo test --workspace --doc
+# The test binaries mostly wait (on the servers, Envoys, NATS and engines
+# they start), so three run at once, each exactly as `cargo test` runs it;
+# the Envoy binary's timing checks get the machine to themselves afterwards.
+step "cargo test --workspace: run (three binaries at a time, then Envoy's alone; doc tests)"
+.cache/venv/bin/python scripts/run-test-binaries.py .cache/test-build.json \
+    --jobs 3 --alone envoy --first demo_e2e --first integration \
+    --also "cargo test --workspace --doc"
 
 step "fuzz targets, 10 s each (scripts/fuzz.sh)"
 scripts/fuzz.sh 10
