@@ -77,7 +77,7 @@ use smallvec::SmallVec;
 use crate::catalog::{Catalog, ReplicaId};
 use crate::fleet::Fleet;
 use crate::index::CacheIndex;
-use crate::lookup::{Candidate, Ctx, Ranked, Serving};
+use crate::lookup::{Candidate, Ctx, Ranked, Records, Serving};
 use crate::messages::{Chain, Decision, ReplicaScore, Tier};
 use crate::policy::CachePolicy;
 use crate::store::HashRef;
@@ -134,7 +134,12 @@ impl CacheIndex {
     }
 
     /// Load of every live member, in prefill tokens (see the module notes).
-    pub(crate) fn member_loads(&self, ctx: &Ctx<'_>, fleet: &Fleet, serving: &Serving) -> Members {
+    pub(crate) fn member_loads(
+        &self,
+        ctx: &Ctx<'_>,
+        serving: &Serving,
+        records: &Records<'_>,
+    ) -> Members {
         let policy = ctx.policy;
         let mean_tokens = self.mean_request_tokens();
         let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
@@ -142,8 +147,7 @@ impl CacheIndex {
         let mut members = Members::new();
         let (mut known_sum, mut known) = (0.0, 0u32);
         let mut unknown: SmallVec<[usize; 32]> = SmallVec::new();
-        for &replica in serving {
-            let record = fleet.records.get(&replica);
+        for (&replica, &record) in serving.iter().zip(records.iter()) {
             let queued = record.and_then(|r| {
                 let stats = r.stats.as_ref()?;
                 (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
@@ -204,9 +208,9 @@ enum RequestKind {
     Unmatched,
 }
 
-/// Members with their match and cost filled in, and where the common depth ends.
+/// Where the least-cost member is and where the common depth ends (the
+/// members themselves get their match and cost filled in, in place).
 struct CostView {
-    members: Members,
     /// Index of the least-cost member.
     best: usize,
     common_blocks: usize,
@@ -215,7 +219,7 @@ struct CostView {
 
 fn cost_view(
     policy: &CachePolicy,
-    mut members: Members,
+    members: &mut Members,
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -274,8 +278,9 @@ fn cost_view(
         0
     } else {
         let mut runs: SmallVec<[u32; 32]> = members.iter().map(|m| m.blocks).collect();
-        runs.sort_unstable_by(|a, b| b.cmp(a));
-        runs.get(members.len() / 2).copied().unwrap_or(0) as usize
+        // Only the one rank is needed, not the whole order.
+        let (_, &mut at, _) = runs.select_nth_unstable_by(members.len() / 2, |a, b| b.cmp(a));
+        at as usize
     };
     let common_tokens = chain.map_or(0, |c| {
         c.token_counts
@@ -285,7 +290,6 @@ fn cost_view(
             .sum()
     });
     Some(CostView {
-        members,
         best,
         common_blocks,
         common_tokens,
@@ -319,9 +323,10 @@ pub(crate) fn rank_by_cost(
     } else {
         RequestKind::NewSession
     };
+    let mut members = members.clone();
     let Some(view) = cost_view(
         policy,
-        members.clone(),
+        &mut members,
         cands,
         chain,
         request_tokens,
@@ -330,12 +335,12 @@ pub(crate) fn rank_by_cost(
     ) else {
         return Ranked::DOWNGRADED;
     };
-    let best = view.members[view.best];
+    let best = members[view.best];
     let floor = i64::from(policy.minimum_matched_tokens).max(1);
     let distinguishing = best.matched - view.common_tokens;
     let evidence = distinguishing as f64 * ctx.freshness(best.oldest_seen);
     if distinguishing < floor || evidence < policy.routing_floor_score {
-        let longest = view.members.iter().map(|m| m.matched).max().unwrap_or(0);
+        let longest = members.iter().map(|m| m.matched).max().unwrap_or(0);
         let why = if distinguishing < floor && longest - view.common_tokens >= floor {
             // A member holds real evidence, but its cost sent the request on.
             Decision::Load
@@ -351,7 +356,7 @@ pub(crate) fn rank_by_cost(
     }
     let total = request_tokens.max(1) as f64;
     let mut ranked: SmallVec<[&MemberCost; 32]> =
-        view.members.iter().filter(|m| m.matched >= floor).collect();
+        members.iter().filter(|m| m.matched >= floor).collect();
     ranked.sort_by(|a, b| {
         a.cost
             .total_cmp(&b.cost)
@@ -396,9 +401,10 @@ pub(crate) fn bounded_affinity(
     if !policy.affinity_routing {
         return None;
     }
+    let mut members = members.clone();
     let view = cost_view(
         policy,
-        members.clone(),
+        &mut members,
         cands,
         chain,
         request_tokens,
@@ -412,14 +418,14 @@ pub(crate) fn bounded_affinity(
         _ if !prefix_hash.is_empty() => seed_of(prefix_hash),
         _ => return None,
     };
-    let n = view.members.len() as f64;
-    let mean_assigned = view.members.iter().map(|m| m.assigned).sum::<f64>() / n;
-    let least = view.members[view.best].cost;
+    let n = members.len() as f64;
+    let mean_assigned = members.iter().map(|m| m.assigned).sum::<f64>() / n;
+    let least = members[view.best].cost;
     let cost_limit = least + (policy.load_bound - 1.0) * (request_tokens as f64).max(mean_tokens);
     let assigned_limit = policy.load_bound * mean_assigned + 1.0;
     let rendezvous = |eligible: &dyn Fn(&MemberCost) -> bool| {
         let mut pick: Option<(u64, ReplicaId)> = None;
-        for m in view.members.iter().filter(|m| eligible(m)) {
+        for m in members.iter().filter(|m| eligible(m)) {
             let weight = mix(seed ^ name_hash(catalog.replica_str(m.replica).as_bytes()));
             if pick.is_none_or(|(w, _)| weight > w) {
                 pick = Some((weight, m.replica));

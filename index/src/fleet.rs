@@ -361,6 +361,7 @@ impl Fleet {
     /// Whether `replica` counts as alive at `now_ms`; `holds` says whether it
     /// holds entries in the scope asked about (only consulted for replicas
     /// that never heartbeated).
+    #[cfg(test)]
     pub fn is_live(
         &self,
         replica: ReplicaId,
@@ -368,7 +369,18 @@ impl Fleet {
         timeout_ms: u64,
         holds: impl FnOnce() -> bool,
     ) -> bool {
-        let Some(record) = self.records.get(&replica) else {
+        Self::record_live(self.records.get(&replica), now_ms, timeout_ms, holds)
+    }
+
+    /// [`is_live`](Self::is_live) of a record already looked up (`None`:
+    /// the replica has none).
+    pub fn record_live(
+        record: Option<&ReplicaRecord>,
+        now_ms: u64,
+        timeout_ms: u64,
+        holds: impl FnOnce() -> bool,
+    ) -> bool {
+        let Some(record) = record else {
             return holds();
         };
         let recent = now_ms.saturating_sub(record.last_heard_ms()) <= timeout_ms;

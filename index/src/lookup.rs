@@ -44,6 +44,10 @@ const INLINE: usize = 16;
 /// Live members of a lookup's serving set, sorted by replica id.
 pub(crate) type Serving = SmallVec<[ReplicaId; 32]>;
 
+/// The fleet records of a [`Serving`] set's members, in the same order
+/// (each read once, by the liveness check, and reused for the loads).
+pub(crate) type Records<'f> = SmallVec<[Option<&'f ReplicaRecord>; 32]>;
+
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Candidate {
     pub replica: ReplicaId,
@@ -305,6 +309,7 @@ struct Scene<'a, 'r> {
     admitted: Admitted<'r>,
     at: Resolved<'a>,
     serving: Serving,
+    records: Records<'a>,
 }
 
 impl CacheIndex {
@@ -337,7 +342,7 @@ impl CacheIndex {
         if let Some(key) = &first {
             reader.touch(key);
         }
-        let serving = self.serving_set(&ctx, &catalog, &fleet, at.names, at.scope);
+        let (serving, records) = self.serving_set(&ctx, &catalog, &fleet, at.names, at.scope);
         // Then start loading the body of the first block's run; the
         // members' loads (the cost-aware ranker reads every member's load
         // once, for the ranking and for the fallback alike) are read while
@@ -347,7 +352,7 @@ impl CacheIndex {
         }
         let mut loads: Option<crate::cost::Members> = (policy.ranker == Ranker::CostAware
             && at.part.is_some())
-        .then(|| self.member_loads(&ctx, &fleet, &serving));
+        .then(|| self.member_loads(&ctx, &serving, &records));
         let scene = Scene {
             req,
             ctx,
@@ -356,6 +361,7 @@ impl CacheIndex {
             admitted,
             at,
             serving,
+            records,
         };
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, &mut cands);
@@ -373,7 +379,7 @@ impl CacheIndex {
                 &fleet,
                 &scene.ctx,
                 &outcome,
-                (cands.as_slice(), &scene.serving),
+                (cands.as_slice(), &scene.serving, &scene.records),
                 scene.admitted.request_tokens,
             );
         }
@@ -454,7 +460,8 @@ impl CacheIndex {
                 self.rank_prefix_match(ctx, catalog, fleet, serving.len(), cands, request_tokens)
             }
             (Matched::Hits, Ranker::CostAware) => {
-                let members = loads.get_or_insert_with(|| self.member_loads(ctx, fleet, serving));
+                let members =
+                    loads.get_or_insert_with(|| self.member_loads(ctx, serving, &scene.records));
                 rank_by_cost(
                     ctx,
                     catalog,
@@ -498,7 +505,6 @@ impl CacheIndex {
             req,
             ctx,
             catalog,
-            fleet,
             serving,
             ..
         } = scene;
@@ -519,8 +525,8 @@ impl CacheIndex {
                         self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        let members =
-                            loads.unwrap_or_else(|| self.member_loads(ctx, fleet, serving));
+                        let members = loads
+                            .unwrap_or_else(|| self.member_loads(ctx, serving, &scene.records));
                         bounded_affinity(
                             policy,
                             catalog,
@@ -552,34 +558,40 @@ impl CacheIndex {
 
     /// Live members of the request's `(tenant, model)` that serve its hash
     /// scheme, sorted by replica id (see the `fleet` module for liveness).
-    fn serving_set(
+    fn serving_set<'f>(
         &self,
         ctx: &Ctx<'_>,
         catalog: &Catalog,
-        fleet: &Fleet,
+        fleet: &'f Fleet,
         names: Names,
         scope: Option<&std::sync::Arc<Scope>>,
-    ) -> Serving {
-        let mut out = Serving::new();
+    ) -> (Serving, Records<'f>) {
+        let mut found: SmallVec<[(ReplicaId, Option<&'f ReplicaRecord>); 32]> = SmallVec::new();
         let (Some(tenant), Some(model)) = (names.tenant, names.model) else {
-            return out;
+            return (Serving::new(), Records::new());
         };
         let scheme = names.scheme;
         let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
         for member in fleet.members(tenant, model) {
             // An id freed by a sweep while a membership was being written
             // is never named.
-            if member.serves(scheme)
-                && catalog.replica_alive(member.replica)
-                && fleet.is_live(member.replica, ctx.now_ms, timeout_ms, || {
-                    scope.is_some_and(|s| s.holds(member.replica))
-                })
-            {
-                out.push(member.replica);
+            if !(member.serves(scheme) && catalog.replica_alive(member.replica)) {
+                continue;
+            }
+            // The record is read once: for liveness here, for the member's
+            // load and the hinted prefill later.
+            let record = fleet.records.get(&member.replica);
+            if Fleet::record_live(record, ctx.now_ms, timeout_ms, || {
+                scope.is_some_and(|s| s.holds(member.replica))
+            }) {
+                found.push((member.replica, record));
             }
         }
-        out.sort_unstable();
-        out
+        found.sort_unstable_by_key(|&(replica, _)| replica);
+        (
+            found.iter().map(|&(replica, _)| replica).collect(),
+            found.iter().map(|&(_, record)| record).collect(),
+        )
     }
 
     /// Counts the prefill a cost-aware hint sends to its replica as load
@@ -590,7 +602,7 @@ impl CacheIndex {
         fleet: &Fleet,
         ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
-        (cands, serving): (&[Candidate], &Serving),
+        (cands, serving, records): (&[Candidate], &Serving, &Records<'_>),
         request_tokens: i64,
     ) {
         let now_ms = ctx.now_ms;
@@ -617,7 +629,13 @@ impl CacheIndex {
             .find(|c| c.replica == replica)
             .map_or(0, |c| c.matched);
         let uncached = (request_tokens - matched).max(0) as u64;
-        if let Some(record) = fleet.records.get(&replica) {
+        // A member's record was read with the serving set (the fleet's lock
+        // is still held, so it is the same record).
+        let record = match serving.binary_search(&replica) {
+            Ok(i) => records[i],
+            Err(_) => fleet.records.get(&replica),
+        };
+        if let Some(record) = record {
             record.add_pending(uncached);
             record.add_assigned(now_ms, half_life_ms);
         }
