@@ -368,7 +368,7 @@ impl CacheIndex {
         let missed = matches!(matched, Matched::Miss);
         let ranked = self.rank(&scene, matched, &mut cands, &mut loads);
         let (decision, ranked) = decide(&scene, ranked, cands.as_slice(), missed);
-        let outcome = self.answer(&scene, ranked, decision, cands.as_slice(), loads);
+        let outcome = self.answer(&scene, ranked, decision, cands.as_slice(), &mut loads);
         if expired(scene.admitted.deadline) {
             return LookupOutcome::empty(Reason::Timeout, "");
         }
@@ -499,7 +499,7 @@ impl CacheIndex {
         ranked: Ranked,
         decision: Decision,
         cands: &[Candidate],
-        loads: Option<crate::cost::Members>,
+        loads: &mut Option<crate::cost::Members>,
     ) -> LookupOutcome {
         let Scene {
             req,
@@ -525,12 +525,14 @@ impl CacheIndex {
                         self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
+                        // Borrowed, not moved: the member list is large
+                        // (room for 32 members inline).
                         let members = loads
-                            .unwrap_or_else(|| self.member_loads(ctx, serving, &scene.records));
+                            .get_or_insert_with(|| self.member_loads(ctx, serving, &scene.records));
                         bounded_affinity(
                             policy,
                             catalog,
-                            &members,
+                            members,
                             cands,
                             chain,
                             seed_block,
