@@ -53,10 +53,8 @@ pub(crate) struct ReplicaRecord {
     heartbeats: AtomicBool,
     /// Uncached prefill tokens hinted to it since `stats_at_ms`.
     pub pending_tokens: AtomicU64,
-    /// Requests hinted to it, decayed with a half-life (`f64` bits), and
-    /// when that count was last updated (ms).
-    assigned: AtomicU64,
-    assigned_at_ms: AtomicU64,
+    /// Requests hinted to it, decayed with the policy's half-life.
+    assigned: Decayed,
     /// Entries it reported stored and evicted recently (decayed counts).
     stored: Decayed,
     evicted: Decayed,
@@ -84,7 +82,8 @@ impl Decayed {
     fn get(&self, now_ms: u64, half_life_ms: u64) -> f64 {
         let value = f64::from_bits(self.value.load(Ordering::Relaxed));
         if value == 0.0 {
-            // Nothing to decay: no `exp` (a lookup reads two of these per member).
+            // Nothing to decay: no `exp` (a lookup reads a few of these per
+            // member, and a replica never hinted to has a huge age).
             return value;
         }
         let at = self.at_ms.load(Ordering::Relaxed);
@@ -156,14 +155,7 @@ impl ReplicaRecord {
     /// Requests hinted to it recently: each counts 1, halving every
     /// `half_life_ms`.
     pub fn assigned(&self, now_ms: u64, half_life_ms: u64) -> f64 {
-        let value = f64::from_bits(self.assigned.load(Ordering::Relaxed));
-        if value == 0.0 {
-            // Nothing to decay (and no `exp` of a huge age for a replica
-            // never hinted to).
-            return value;
-        }
-        let at = self.assigned_at_ms.load(Ordering::Relaxed);
-        value * decay(now_ms.saturating_sub(at), half_life_ms)
+        self.assigned.get(now_ms, half_life_ms)
     }
 
     /// Notes entries it reported stored (`stored`) or evicted.
@@ -195,9 +187,7 @@ impl ReplicaRecord {
     /// Counts one request just hinted to it. Concurrent callers may lose an
     /// increment: this is a balancing signal, not an account.
     pub fn add_assigned(&self, now_ms: u64, half_life_ms: u64) {
-        let next = self.assigned(now_ms, half_life_ms) + 1.0;
-        self.assigned.store(next.to_bits(), Ordering::Relaxed);
-        self.assigned_at_ms.store(now_ms, Ordering::Relaxed);
+        self.assigned.add(now_ms, half_life_ms, 1.0);
     }
 }
 
