@@ -16,6 +16,13 @@
 //!   ([`RunData`]); its published length and capacities sit in the body, so
 //!   once a reader has the body it knows the address of every line it needs
 //!   and starts their misses together.
+//! - Each row slot keeps a **prefix word** ([`Prefix`]): how many leading
+//!   positions are held at one tier with last-seen seconds that never
+//!   decrease. A lookup's stretch inside it is answered from the word and
+//!   the stretch's first cell (its oldest) instead of a pass over every
+//!   cell; the writer keeps the word true at every moment (it shortens it
+//!   before a write that would break it, lengthens it after one that
+//!   extends it).
 //! - The **key table** ([`KeyTable`]) maps `(partition, hash)` to
 //!   `run << 6 | position`. Hashes of any width are kept; a wide one is
 //!   compared through a 64-bit digest and then in full.
@@ -40,7 +47,7 @@
 //! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
 //! exactly one or two slots for one or two holders, half again as many
 //! beyond) + the key table's 8-byte slot at 7/16–7/8 load, plus a run
-//! header shared by the run's blocks.
+//! header and a prefix word per row slot shared by the run's blocks.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -184,6 +191,40 @@ impl Cell {
     }
 }
 
+/// What a row slot's leading cells have in common, so that a lookup over
+/// them reads one cell instead of every one: positions `0..len` are all
+/// held, at one tier, with last-seen seconds that never decrease along the
+/// run — so the oldest of any stretch inside is its first cell. Reports
+/// arrive in chain order and later ones are never older, so appends and
+/// in-order refreshes keep or rebuild the prefix; anything else shortens
+/// it and the cells past it are read one by one. The version changes on
+/// every shortening, so a reader that sees the same word before and after
+/// reading that first cell knows the cell belongs to the prefix it saw.
+/// Layout: bits 0–7 length, 8–15 tier, 16–63 version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Prefix(u64);
+
+impl Prefix {
+    fn len(self) -> usize {
+        (self.0 & 0xFF) as usize
+    }
+
+    fn tier(self) -> u8 {
+        (self.0 >> 8) as u8
+    }
+
+    /// Shortened to `len`, with a new version.
+    fn cut(self, len: usize) -> Self {
+        let version = (self.0 >> 16).wrapping_add(1);
+        Self((version << 16) | (self.0 & 0xFF00) | len as u64)
+    }
+
+    /// Lengthened to `len` at `tier` (same version).
+    fn grown(self, len: usize, tier: u8) -> Self {
+        Self((self.0 & !0xFFFF) | (u64::from(tier) << 8) | len as u64)
+    }
+}
+
 /// Full bytes of a wide run's hashes, set once per position.
 type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
@@ -210,7 +251,7 @@ struct RunData {
 
 impl RunData {
     fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
-        let n = HEAD + cap + cap.div_ceil(2) + row_cap * cap;
+        let n = HEAD + cap + cap.div_ceil(2) + row_cap + row_cap * cap;
         // Zeroed by the allocator: memory fresh from the system needs no
         // clearing pass.
         #[expect(
@@ -273,11 +314,76 @@ impl RunData {
         }
     }
 
+    /// The [`Prefix`] word of row slot `slot`.
+    fn prefix(&self, slot: usize) -> &AtomicU64 {
+        let cap = self.cap();
+        &self.words[HEAD + cap + cap.div_ceil(2) + slot]
+    }
+
     /// Cells of row slot `slot`, positions `from..to`.
     fn cells(&self, slot: usize, from: usize, to: usize) -> &[AtomicU64] {
         let cap = self.cap();
-        let base = HEAD + cap + cap.div_ceil(2) + slot * cap;
+        let base = HEAD + cap + cap.div_ceil(2) + self.row_cap() + slot * cap;
         &self.words[base + from..base + to]
+    }
+
+    /// Sets a cell of row slot `slot` (writer only), keeping the slot's
+    /// [`Prefix`] true at every moment a reader may look: a write that
+    /// would break it shortens the prefix first (and bumps its version),
+    /// a write that extends it publishes the longer prefix after the cell.
+    fn set_cell(&self, slot: usize, pos: usize, cell: Cell) {
+        let word = self.cell(slot, pos);
+        let prefix = Prefix(self.prefix(slot).load(Ordering::Relaxed));
+        let mut n = prefix.len();
+        if pos < n {
+            let seen = |p: usize| Cell(self.cell(slot, p).load(Ordering::Relaxed)).last_seen();
+            let keeps = cell.held()
+                && cell.tier() == prefix.tier()
+                && (pos == 0 || seen(pos - 1) <= cell.last_seen())
+                && (pos + 1 >= n || cell.last_seen() <= seen(pos + 1));
+            if !keeps {
+                self.prefix(slot)
+                    .store(prefix.cut(pos).0, Ordering::Relaxed);
+                n = pos;
+            }
+        }
+        // `Release`: a reader that sees this cell sees the shortened prefix.
+        word.store(cell.0, Ordering::Release);
+        if pos == n {
+            self.extend_prefix(slot);
+        }
+    }
+
+    /// Lengthens slot `slot`'s prefix over the held cells after it that
+    /// keep its tier and do not get older.
+    fn extend_prefix(&self, slot: usize) {
+        let prefix = Prefix(self.prefix(slot).load(Ordering::Relaxed));
+        let mut n = prefix.len();
+        let cap = self.cap();
+        let mut tier = prefix.tier();
+        let mut last = if n == 0 {
+            0
+        } else {
+            Cell(self.cell(slot, n - 1).load(Ordering::Relaxed)).last_seen()
+        };
+        while n < cap {
+            let cell = Cell(self.cell(slot, n).load(Ordering::Relaxed));
+            if !cell.held() {
+                break;
+            }
+            if n == 0 {
+                tier = cell.tier();
+            } else if cell.tier() != tier || cell.last_seen() < last {
+                break;
+            }
+            last = cell.last_seen();
+            n += 1;
+        }
+        if n != prefix.len() {
+            // `Release`: the cells it covers were written before.
+            self.prefix(slot)
+                .store(prefix.grown(n, tier).0, Ordering::Release);
+        }
     }
 
     fn cell(&self, slot: usize, pos: usize) -> &AtomicU64 {
@@ -411,7 +517,38 @@ impl Body {
     /// cells from `from` on are held (the first one not held ends it), their
     /// oldest last-seen second and their coldest (highest) tier.
     pub fn held_stretch(&self, row: usize, from: usize, to: usize) -> Stretch {
-        let cells = self.data.cells(self.rows[row].slot as usize, from, to);
+        let slot = self.rows[row].slot as usize;
+        // Inside the slot's prefix the stretch is known from its first cell.
+        let word = self.data.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Acquire));
+        if from < prefix.len() && from < to {
+            let first = Cell(self.data.cell(slot, from).load(Ordering::Acquire));
+            if Prefix(word.load(Ordering::Relaxed)) == prefix {
+                let end = to.min(prefix.len());
+                let known = Stretch {
+                    blocks: end - from,
+                    oldest: first.last_seen(),
+                    tier: prefix.tier(),
+                    ended: false,
+                };
+                if end == to {
+                    return known;
+                }
+                let rest = self.scan_stretch(slot, end, to);
+                return Stretch {
+                    blocks: known.blocks + rest.blocks,
+                    oldest: known.oldest.min(rest.oldest),
+                    tier: known.tier.max(rest.tier),
+                    ended: rest.ended,
+                };
+            }
+        }
+        self.scan_stretch(slot, from, to)
+    }
+
+    /// [`held_stretch`](Self::held_stretch) read cell by cell.
+    fn scan_stretch(&self, slot: usize, from: usize, to: usize) -> Stretch {
+        let cells = self.data.cells(slot, from, to);
         // Four lanes, so the min / max chains do not wait on each other.
         let mut oldest = [u32::MAX; 4];
         let mut tier = [0u8; 4];
@@ -488,6 +625,9 @@ impl Body {
     /// while the caller compares hashes.
     pub fn touch_cells(&self, pos: usize) {
         let len = self.len();
+        if let Some(row) = self.rows.first() {
+            prefetch(self.data.prefix(row.slot as usize));
+        }
         for row in self.rows.iter().take(8) {
             prefetch(self.data.cell(row.slot as usize, pos));
         }
@@ -511,7 +651,7 @@ impl Body {
     }
 
     fn set(&self, row: usize, pos: usize, cell: Cell) {
-        self.cell_at(row, pos).store(cell.0, Ordering::Relaxed);
+        self.data.set_cell(self.rows[row].slot as usize, pos, cell);
     }
 
     /// Rows holding position `pos`.
@@ -1233,6 +1373,7 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
             for (to, from) in data.cells(slot, 0, len).iter().zip(old.cells(from, 0, len)) {
                 to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
             }
+            data.extend_prefix(slot);
         }
     }
     data.set_used_rows(rows.len());

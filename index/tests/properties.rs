@@ -246,20 +246,39 @@ affinityRouting: Disabled, evictionTTL: {TTL_SECS}s, replicaTimeout: 1h}}\n"
                     token_counts: &counts,
                 });
                 let outcome = index.lookup(&request);
-                let mut expected: Vec<(String, i32, i32)> = Vec::new();
+                // Per replica: matched tokens, coldest tier and the oldest
+                // last-seen second of the leading run (weakest link), which
+                // the Contract ranker's hit probability carries as freshness
+                // (matched / request tokens × (1 − age / TTL)).
+                let mut expected: Vec<(String, i32, i32, u32)> = Vec::new();
                 for r in 0..REPLICAS {
-                    let run: Vec<i32> = (0..len)
-                        .map_while(|b| reference.get(&(r, family, b)).map(|&(_, t)| t))
+                    let run: Vec<(u64, i32)> = (0..len)
+                        .map_while(|b| reference.get(&(r, family, b)).copied())
                         .collect();
                     if !run.is_empty() {
-                        let coldest = run.iter().copied().max().unwrap_or(1);
-                        expected.push((format!("r{r}"), 16 * run.len() as i32, coldest));
+                        let coldest = run.iter().map(|&(_, t)| t).max().unwrap_or(1);
+                        let oldest = run.iter().map(|&(s, _)| s).min().unwrap_or(now);
+                        let freshness = (1.0 - (now - oldest) as f64 / TTL_SECS as f64).max(0.0);
+                        let hit = (run.len() as f64 / len as f64).min(1.0) * freshness;
+                        expected.push((
+                            format!("r{r}"),
+                            16 * run.len() as i32,
+                            coldest,
+                            (hit as f32).to_bits(),
+                        ));
                     }
                 }
-                let mut got: Vec<(String, i32, i32)> = outcome
+                let mut got: Vec<(String, i32, i32, u32)> = outcome
                     .scores
                     .iter()
-                    .map(|s| (s.replica_id.to_string(), s.matched_tokens, s.tier as i32))
+                    .map(|s| {
+                        (
+                            s.replica_id.to_string(),
+                            s.matched_tokens,
+                            s.tier as i32,
+                            s.estimated_cache_hit_prob.to_bits(),
+                        )
+                    })
                     .collect();
                 got.sort();
                 prop_assert_eq!(
