@@ -115,6 +115,38 @@ pub(crate) struct MemberCost {
 
 pub(crate) type Members = SmallVec<[MemberCost; 32]>;
 
+/// The members' loads of one lookup, read at most once and shared by the
+/// ranking and the fallback. They stay where they were built: the list
+/// has room for 32 members inline (2 KiB), which a move would copy.
+pub(crate) struct MemberLoads {
+    members: Members,
+    read: bool,
+}
+
+impl MemberLoads {
+    pub(crate) fn new() -> Self {
+        Self {
+            members: Members::new(),
+            read: false,
+        }
+    }
+
+    /// The loads, read on first use.
+    pub(crate) fn get(
+        &mut self,
+        index: &CacheIndex,
+        ctx: &Ctx<'_>,
+        serving: &Serving,
+        records: &Records<'_>,
+    ) -> &mut Members {
+        if !self.read {
+            index.member_loads(ctx, serving, records, &mut self.members);
+            self.read = true;
+        }
+        &mut self.members
+    }
+}
+
 impl CacheIndex {
     /// Folds one hinted request's uncached tokens into the running mean.
     pub(crate) fn observe_request_tokens(&self, tokens: f64) {
@@ -134,17 +166,18 @@ impl CacheIndex {
     }
 
     /// Load of every live member, in prefill tokens (see the module notes).
-    pub(crate) fn member_loads(
+    fn member_loads(
         &self,
         ctx: &Ctx<'_>,
         serving: &Serving,
         records: &Records<'_>,
-    ) -> Members {
+        members: &mut Members,
+    ) {
         let policy = ctx.policy;
         let mean_tokens = self.mean_request_tokens();
         let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
         let half_life_ms = u64::try_from(policy.balance_half_life.as_millis()).unwrap_or(u64::MAX);
-        let mut members = Members::new();
+        members.clear();
         let (mut known_sum, mut known) = (0.0, 0u32);
         let mut unknown: SmallVec<[usize; 32]> = SmallVec::new();
         for (&replica, &record) in serving.iter().zip(records.iter()) {
@@ -192,7 +225,6 @@ impl CacheIndex {
                 members[i].load += typical;
             }
         }
-        members
     }
 }
 
@@ -297,12 +329,14 @@ fn cost_view(
 }
 
 /// PREFIX_MATCH by least cost, or a downgrade seeded past the common depth.
+/// The members get this request's match and cost filled in, in place (the
+/// fallback fills them in again from the same candidates).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rank_by_cost(
     ctx: &Ctx<'_>,
     catalog: &Catalog,
     fleet: &Fleet,
-    members: &Members,
+    members: &mut Members,
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -323,10 +357,9 @@ pub(crate) fn rank_by_cost(
     } else {
         RequestKind::NewSession
     };
-    let mut members = members.clone();
     let Some(view) = cost_view(
         policy,
-        &mut members,
+        members,
         cands,
         chain,
         request_tokens,
@@ -390,7 +423,7 @@ pub(crate) fn rank_by_cost(
 pub(crate) fn bounded_affinity(
     policy: &CachePolicy,
     catalog: &Catalog,
-    members: &Members,
+    members: &mut Members,
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     seed_block: usize,
@@ -401,10 +434,9 @@ pub(crate) fn bounded_affinity(
     if !policy.affinity_routing {
         return None;
     }
-    let mut members = members.clone();
     let view = cost_view(
         policy,
-        &mut members,
+        members,
         cands,
         chain,
         request_tokens,

@@ -207,8 +207,9 @@ fn decay(elapsed_ms: u64, half_life_ms: u64) -> f64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Member {
     pub replica: ReplicaId,
-    /// Hash schemes it reported under; empty when it only announced itself.
-    pub schemes: Vec<NameId>,
+    /// Hash schemes it reported under; empty when it only announced itself
+    /// (inline: a lookup checks every member's).
+    pub schemes: SmallVec<[NameId; 2]>,
 }
 
 impl Member {
@@ -222,6 +223,7 @@ impl Member {
 #[derive(Debug, Default)]
 pub(crate) struct Fleet {
     pub records: HashMap<ReplicaId, ReplicaRecord>,
+    /// Sorted by replica id, so a lookup's serving set needs no sort.
     members: HashMap<[NameId; 2], Vec<Member>>,
     /// The pairs each replica is a member of: leaving and listing visit
     /// only those, never every serving set.
@@ -247,10 +249,11 @@ impl Fleet {
             return false;
         };
         if let Some([tenant, model, scheme]) = join {
-            let member = self
-                .members(tenant, model)
-                .iter()
-                .find(|m| m.replica == replica);
+            let members = self.members(tenant, model);
+            let member = members
+                .binary_search_by_key(&replica, |m| m.replica)
+                .ok()
+                .map(|i| &members[i]);
             if !member.is_some_and(|m| m.schemes.contains(&scheme)) {
                 return false;
             }
@@ -280,19 +283,23 @@ impl Fleet {
         scheme: Option<NameId>,
     ) {
         let members = self.members.entry([tenant, model]).or_default();
-        match members.iter_mut().find(|m| m.replica == replica) {
-            Some(member) => {
+        match members.binary_search_by_key(&replica, |m| m.replica) {
+            Ok(i) => {
+                let member = &mut members[i];
                 if let Some(s) = scheme
                     && !member.schemes.contains(&s)
                 {
                     member.schemes.push(s);
                 }
             }
-            None => {
-                members.push(Member {
-                    replica,
-                    schemes: scheme.into_iter().collect(),
-                });
+            Err(i) => {
+                members.insert(
+                    i,
+                    Member {
+                        replica,
+                        schemes: scheme.into_iter().collect(),
+                    },
+                );
                 self.pairs.entry(replica).or_default().push([tenant, model]);
             }
         }
@@ -331,7 +338,7 @@ impl Fleet {
         left
     }
 
-    /// Members of `(tenant, model)`, live or not.
+    /// Members of `(tenant, model)`, live or not, sorted by replica id.
     pub fn members(&self, tenant: NameId, model: NameId) -> &[Member] {
         self.members
             .get(&[tenant, model])
@@ -444,6 +451,31 @@ mod tests {
         assert!(
             !fleet.records.contains_key(&1),
             "a replica in no set keeps no record"
+        );
+    }
+
+    #[test]
+    fn members_stay_sorted_by_replica_whatever_the_join_order() {
+        let mut fleet = Fleet::default();
+        for replica in [7, 3, 9, 1, 5, 3, 8] {
+            fleet.join(replica, 10, 20, Some(30));
+        }
+        fleet.join(5, 10, 20, Some(31));
+        let order: Vec<ReplicaId> = fleet.members(10, 20).iter().map(|m| m.replica).collect();
+        assert_eq!(order, [1, 3, 5, 7, 8, 9]);
+        assert!(fleet.members(10, 20)[2].serves(Some(31)));
+        fleet.leave(5, None, None);
+        fleet.join(4, 10, 20, None);
+        let order: Vec<ReplicaId> = fleet.members(10, 20).iter().map(|m| m.replica).collect();
+        assert_eq!(order, [1, 3, 4, 7, 8, 9]);
+        fleet.heard(7, 0);
+        assert!(
+            fleet.touch(7, 1, Some([10, 20, 30])),
+            "found by binary search"
+        );
+        assert!(
+            !fleet.touch(7, 1, Some([10, 20, 31])),
+            "not under that scheme"
         );
     }
 

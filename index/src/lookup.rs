@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, Scope};
 use crate::clock::ms_to_secs;
-use crate::cost::{bounded_affinity, rank_by_cost};
+use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
@@ -37,7 +37,7 @@ use crate::messages::{
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
-use crate::store::{Key, RUN_BLOCKS, Reader, Stretch};
+use crate::store::{Key, Reader, Stretch};
 
 const INLINE: usize = 16;
 
@@ -350,9 +350,10 @@ impl CacheIndex {
         if let Some(key) = &first {
             reader.touch_run(key);
         }
-        let mut loads: Option<crate::cost::Members> = (policy.ranker == Ranker::CostAware
-            && at.part.is_some())
-        .then(|| self.member_loads(&ctx, &serving, &records));
+        let mut loads = MemberLoads::new();
+        if policy.ranker == Ranker::CostAware && at.part.is_some() {
+            loads.get(self, &ctx, &serving, &records);
+        }
         let scene = Scene {
             req,
             ctx,
@@ -444,7 +445,7 @@ impl CacheIndex {
         scene: &Scene<'_, '_>,
         matched: Matched,
         cands: &mut Candidates,
-        loads: &mut Option<crate::cost::Members>,
+        loads: &mut MemberLoads,
     ) -> Ranked {
         let Scene {
             ctx,
@@ -460,8 +461,7 @@ impl CacheIndex {
                 self.rank_prefix_match(ctx, catalog, fleet, serving.len(), cands, request_tokens)
             }
             (Matched::Hits, Ranker::CostAware) => {
-                let members =
-                    loads.get_or_insert_with(|| self.member_loads(ctx, serving, &scene.records));
+                let members = loads.get(self, ctx, serving, &scene.records);
                 rank_by_cost(
                     ctx,
                     catalog,
@@ -499,7 +499,7 @@ impl CacheIndex {
         ranked: Ranked,
         decision: Decision,
         cands: &[Candidate],
-        loads: &mut Option<crate::cost::Members>,
+        loads: &mut MemberLoads,
     ) -> LookupOutcome {
         let Scene {
             req,
@@ -525,10 +525,7 @@ impl CacheIndex {
                         self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        // Borrowed, not moved: the member list is large
-                        // (room for 32 members inline).
-                        let members = loads
-                            .get_or_insert_with(|| self.member_loads(ctx, serving, &scene.records));
+                        let members = loads.get(self, ctx, serving, &scene.records);
                         bounded_affinity(
                             policy,
                             catalog,
@@ -568,12 +565,13 @@ impl CacheIndex {
         names: Names,
         scope: Option<&std::sync::Arc<Scope>>,
     ) -> (Serving, Records<'f>) {
-        let mut found: SmallVec<[(ReplicaId, Option<&'f ReplicaRecord>); 32]> = SmallVec::new();
+        let (mut serving, mut records) = (Serving::new(), Records::new());
         let (Some(tenant), Some(model)) = (names.tenant, names.model) else {
-            return (Serving::new(), Records::new());
+            return (serving, records);
         };
         let scheme = names.scheme;
         let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
+        // Members are kept sorted by replica id, and so is the set.
         for member in fleet.members(tenant, model) {
             // An id freed by a sweep while a membership was being written
             // is never named.
@@ -586,14 +584,11 @@ impl CacheIndex {
             if Fleet::record_live(record, ctx.now_ms, timeout_ms, || {
                 scope.is_some_and(|s| s.holds(member.replica))
             }) {
-                found.push((member.replica, record));
+                serving.push(member.replica);
+                records.push(record);
             }
         }
-        found.sort_unstable_by_key(|&(replica, _)| replica);
-        (
-            found.iter().map(|&(replica, _)| replica).collect(),
-            found.iter().map(|&(_, record)| record).collect(),
-        )
+        (serving, records)
     }
 
     /// Counts the prefill a cost-aware hint sends to its replica as load
@@ -934,15 +929,9 @@ fn walk_chain(
         {
             b.touch_cells(*p);
         }
-        // Tokens of the first k blocks of the stretch, for every k: a
-        // candidate's pass over its cells then only finds where it stops.
-        let mut prefix = [0i64; RUN_BLOCKS + 1];
-        let mut sum = 0;
-        for (k, &t) in counts[i..i + m].iter().enumerate() {
-            sum += i64::from(t);
-            prefix[k + 1] = sum;
-        }
-        let prefix = &prefix[..=m];
+        // The stretch's tokens: most holders hold all of it, the others
+        // sum their part.
+        let tokens = Tokens::of(&counts[i..i + m]);
         let mut any = false;
         if i == 0 {
             cands.reserve(body.row_count());
@@ -955,7 +944,7 @@ fn walk_chain(
                     tier: 0,
                     active: true,
                 };
-                extend(&mut c, body.held_stretch(row, pos, pos + m), prefix);
+                extend(&mut c, body.held_stretch(row, pos, pos + m), &tokens);
                 if c.blocks > 0 {
                     any |= c.active;
                     cands.push(c);
@@ -971,7 +960,7 @@ fn walk_chain(
                 match body.row_from(c.replica, from) {
                     Some(row) => {
                         from = row + 1;
-                        extend(c, body.held_stretch(row, pos, pos + m), prefix);
+                        extend(c, body.held_stretch(row, pos, pos + m), &tokens);
                         any |= c.active;
                     }
                     None => c.active = false,
@@ -986,9 +975,32 @@ fn walk_chain(
     }
 }
 
-/// Extends a candidate's leading run over a held stretch of its row;
-/// `prefix[k]` is the tokens of the first `k` blocks of the stretch.
-fn extend(c: &mut Candidate, stretch: Stretch, prefix: &[i64]) {
+/// The request's token counts over one stretch of a run, and their sum.
+struct Tokens<'a> {
+    counts: &'a [i32],
+    total: i64,
+}
+
+impl<'a> Tokens<'a> {
+    fn of(counts: &'a [i32]) -> Self {
+        Self {
+            counts,
+            total: counts.iter().map(|&n| i64::from(n)).sum(),
+        }
+    }
+
+    /// Tokens of the stretch's first `k` blocks.
+    fn first(&self, k: usize) -> i64 {
+        if k == self.counts.len() {
+            self.total
+        } else {
+            self.counts[..k].iter().map(|&n| i64::from(n)).sum()
+        }
+    }
+}
+
+/// Extends a candidate's leading run over a held stretch of its row.
+fn extend(c: &mut Candidate, stretch: Stretch, tokens: &Tokens<'_>) {
     let k = stretch.blocks;
     if stretch.ended {
         c.active = false;
@@ -997,7 +1009,7 @@ fn extend(c: &mut Candidate, stretch: Stretch, prefix: &[i64]) {
         c.oldest_seen = c.oldest_seen.min(stretch.oldest);
         c.tier = c.tier.max(stretch.tier);
     }
-    c.matched += prefix[k];
+    c.matched += tokens.first(k);
     c.blocks += k as u32;
 }
 
