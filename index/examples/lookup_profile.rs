@@ -1,13 +1,19 @@
-//! A lookup-only driver for instruction counts: builds the table bench's
-//! workload (100,000 entries, `HOLDERS` replicas per chain, default 2), then
-//! runs 20,000 lookups of stored chains. Under callgrind, counting only the
-//! lookups, the total divided by 20,000 is the instructions per lookup — a
-//! figure that, unlike time, does not move with the machine's load:
+//! A driver for instruction counts: ingests the table bench's workload
+//! (100,000 entries, `HOLDERS` replicas per chain, default 2), then runs
+//! 20,000 lookups of stored chains. Under callgrind, counting only the
+//! lookups (or only the ingest), the total divided by 20,000 lookups (or by
+//! the block reports, printed) is the instructions per lookup (per block) —
+//! figures that, unlike times, do not move with the machine's load. With
+//! `--features compare-kv-index` and `INDEX=kv-index` it does the same with
+//! the published `kv-index` crate's `ChainIndex`:
 //!
 //! ```sh
-//! cargo build --release -p inference-cache-index --example lookup_profile
+//! cargo build --release -p inference-cache-index --features compare-kv-index --example lookup_profile
 //! valgrind --tool=callgrind --toggle-collect='*CacheIndex*lookup*' \
 //!   target/release/examples/lookup_profile
+//! INDEX=kv-index valgrind --tool=callgrind --toggle-collect='*ChainIndex*find_matches*' \
+//!   target/release/examples/lookup_profile
+//! # ingest: --toggle-collect='*CacheIndex*ingest*' / '*ChainIndex*apply_stored*'
 //! ```
 
 #[path = "../benches/support/mod.rs"]
@@ -27,6 +33,17 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
     let work = Workload::new(100_000, holders);
+    if std::env::var("INDEX").is_ok_and(|v| v == "kv-index") {
+        #[cfg(feature = "compare-kv-index")]
+        return kv_index(&work);
+        #[cfg(not(feature = "compare-kv-index"))]
+        panic!("INDEX=kv-index needs --features compare-kv-index");
+    }
+    let reports: usize = work
+        .updates()
+        .iter()
+        .map(|u| u.prefixes[0].block_hashes.len())
+        .sum();
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
     for u in work.updates() {
         index.ingest(&u);
@@ -48,5 +65,53 @@ fn main() {
         ));
     }
     assert_eq!(hits, LOOKUPS, "every lookup must find its chain");
-    println!("{LOOKUPS} lookups, {holders} holders per chain");
+    println!("{reports} block reports, {LOOKUPS} lookups, {holders} holders per chain");
+}
+
+#[cfg(feature = "compare-kv-index")]
+fn kv_index(work: &Workload) {
+    use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+    let index = ChainIndex::new();
+    let workers: Vec<u32> = (0..support::REPLICAS)
+        .map(|r| {
+            index
+                .intern_worker(&format!("replica-{r}"))
+                .expect("worker slot")
+        })
+        .collect();
+    let mut maps: Vec<ChainBlockMap> = (0..support::REPLICAS)
+        .map(|_| ChainBlockMap::default())
+        .collect();
+    let mut reports = 0;
+    for (c, (prefixes, contents)) in work.prefixes.iter().zip(&work.contents).enumerate() {
+        let blocks: Vec<StoredBlock> = prefixes
+            .iter()
+            .zip(contents)
+            .map(|(&s, &c)| StoredBlock {
+                seq_hash: SequenceHash(s),
+                content_hash: ContentHash(c),
+            })
+            .collect();
+        for r in work.holders_of(c) {
+            index
+                .apply_stored(workers[r], &blocks, None, &mut maps[r])
+                .expect("store");
+            reports += blocks.len();
+        }
+    }
+    let requests: Vec<Vec<ContentHash>> = work
+        .contents
+        .iter()
+        .map(|c| c.iter().map(|&h| ContentHash(h)).collect())
+        .collect();
+    let mut c = 0usize;
+    for _ in 0..LOOKUPS {
+        c = (c + 7919) % requests.len();
+        let scores = black_box(index.find_matches(&requests[c], false));
+        assert!(
+            !scores.scores.is_empty(),
+            "every lookup must find its chain"
+        );
+    }
+    println!("kv-index: {reports} block reports, {LOOKUPS} lookups");
 }

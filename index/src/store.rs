@@ -59,7 +59,7 @@ use smallvec::SmallVec;
 
 use crate::catalog::{PartitionId, ReplicaId};
 use crate::messages::BlockHashes;
-use crate::table::{KeyTable, Probe};
+use crate::table::{KeyTable, Probe, Vacant};
 
 /// Blocks one run holds at most.
 pub(crate) const RUN_BLOCKS: usize = 64;
@@ -332,62 +332,75 @@ impl RunData {
     /// would break it shortens the prefix first (and bumps its version),
     /// a write that extends it publishes the longer prefix after the cell.
     fn set_cell(&self, slot: usize, pos: usize, cell: Cell) {
-        let word = self.cell(slot, pos);
-        let prefix = Prefix(self.prefix(slot).load(Ordering::Relaxed));
+        let cells = self.cells(slot, 0, self.cap());
+        let seen = |p: usize| Cell(cells[p].load(Ordering::Relaxed)).last_seen();
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
         let mut n = prefix.len();
         if pos < n {
-            let seen = |p: usize| Cell(self.cell(slot, p).load(Ordering::Relaxed)).last_seen();
             let keeps = cell.held()
                 && cell.tier() == prefix.tier()
                 && (pos == 0 || seen(pos - 1) <= cell.last_seen())
                 && (pos + 1 >= n || cell.last_seen() <= seen(pos + 1));
             if !keeps {
-                self.prefix(slot)
-                    .store(prefix.cut(pos).0, Ordering::Relaxed);
+                word.store(prefix.cut(pos).0, Ordering::Relaxed);
                 n = pos;
             }
         }
         // `Release`: a reader that sees this cell sees the shortened prefix.
-        word.store(cell.0, Ordering::Release);
-        if pos == n {
+        cells[pos].store(cell.0, Ordering::Release);
+        if pos != n {
+            return;
+        }
+        // The new cell ends the prefix: it grows when the cell continues it,
+        // and over the cells after it that do (an append has none).
+        let continues = cell.held()
+            && (n == 0 || (cell.tier() == prefix.tier() && seen(n - 1) <= cell.last_seen()));
+        if !continues {
+            return;
+        }
+        let next = cells.get(n + 1).map(|c| Cell(c.load(Ordering::Relaxed)));
+        if next.is_some_and(Cell::held) {
             self.extend_prefix(slot);
-        }
-    }
-
-    /// Lengthens slot `slot`'s prefix over the held cells after it that
-    /// keep its tier and do not get older.
-    fn extend_prefix(&self, slot: usize) {
-        let prefix = Prefix(self.prefix(slot).load(Ordering::Relaxed));
-        let mut n = prefix.len();
-        let cap = self.cap();
-        let mut tier = prefix.tier();
-        let mut last = if n == 0 {
-            0
         } else {
-            Cell(self.cell(slot, n - 1).load(Ordering::Relaxed)).last_seen()
-        };
-        while n < cap {
-            let cell = Cell(self.cell(slot, n).load(Ordering::Relaxed));
-            if !cell.held() {
-                break;
-            }
-            if n == 0 {
-                tier = cell.tier();
-            } else if cell.tier() != tier || cell.last_seen() < last {
-                break;
-            }
-            last = cell.last_seen();
-            n += 1;
-        }
-        if n != prefix.len() {
-            // `Release`: the cells it covers were written before.
-            self.prefix(slot)
-                .store(prefix.grown(n, tier).0, Ordering::Release);
+            let prefix = Prefix(word.load(Ordering::Relaxed));
+            // `Release`: the cell it covers was written before.
+            word.store(prefix.grown(n + 1, cell.tier()).0, Ordering::Release);
         }
     }
 
     fn cell(&self, slot: usize, pos: usize) -> &AtomicU64 {
         &self.cells(slot, pos, pos + 1)[0]
+    }
+
+    /// Lengthens slot `slot`'s prefix over the held cells after it that
+    /// keep its tier and do not get older.
+    fn extend_prefix(&self, slot: usize) {
+        let cells = self.cells(slot, 0, self.cap());
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
+        let start = prefix.len();
+        let (mut tier, mut last) = match start.checked_sub(1) {
+            Some(p) => (
+                prefix.tier(),
+                Cell(cells[p].load(Ordering::Relaxed)).last_seen(),
+            ),
+            None => (0, 0),
+        };
+        let mut n = start;
+        for c in &cells[start..] {
+            let c = Cell(c.load(Ordering::Relaxed));
+            if !c.held() || (n > 0 && (c.tier() != tier || c.last_seen() < last)) {
+                break;
+            }
+            tier = c.tier();
+            last = c.last_seen();
+            n += 1;
+        }
+        if n != start {
+            // `Release`: the cells it covers were written before.
+            word.store(prefix.grown(n, tier).0, Ordering::Release);
+        }
     }
 }
 
@@ -808,6 +821,13 @@ pub(crate) struct Claim {
     pub tier: u8,
 }
 
+/// A block no run holds yet: its key, token count and key-table slot.
+struct NewBlock<'k, 'h> {
+    key: &'k Key<'h>,
+    count: u32,
+    vacant: Vacant,
+}
+
 /// What an ingest may add and what it did.
 #[derive(Debug, Default)]
 pub(crate) struct Holding {
@@ -894,12 +914,17 @@ impl Writing<'_> {
     }
 
     fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(u32, usize)> {
-        let loc = self.w.table.find(key.probe, |loc| {
+        self.locate_or_vacant(part, key).ok()
+    }
+
+    /// Where `key` is, or the key-table slot it would go to.
+    fn locate_or_vacant(&self, part: PartitionId, key: &Key<'_>) -> Result<(u32, usize), Vacant> {
+        let loc = self.w.table.find_or_vacant(key.probe, |loc| {
             let (run, pos) = split(loc);
             self.body(run)
                 .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
         })?;
-        Some(split(loc))
+        Ok(split(loc))
     }
 
     fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
@@ -909,12 +934,19 @@ impl Writing<'_> {
         body
     }
 
-    fn insert_key(&mut self, probe: Probe, at: u32) {
+    /// Adds a key at `at`, in the slot its failed search found when given
+    /// (nothing was inserted since: one key is added at a time).
+    fn insert_key(&mut self, probe: Probe, at: u32, vacant: Option<Vacant>) {
         if self.w.table.full() {
             let next = self.w.table.rebuilt(0);
             self.swap_table(next);
+            self.w.table.insert(probe, at);
+            return;
         }
-        self.w.table.insert(probe, at);
+        match vacant {
+            Some(v) => self.w.table.insert_at(v, probe, at),
+            None => self.w.table.insert(probe, at),
+        }
     }
 
     fn swap_table(&mut self, next: KeyTable) {
@@ -969,17 +1001,24 @@ impl Writing<'_> {
                     let body = self.body(run)?;
                     (pos + 1 < body.len() && body.holds_key(pos + 1, key)).then_some((run, pos + 1))
                 })
-                .or_else(|| self.locate(part, key));
+                .map_or_else(|| self.locate_or_vacant(part, key), Ok);
             prev = match next {
-                Some((run, pos)) => {
+                Ok((run, pos)) => {
                     self.claim_at(run, pos, *count, claim, h);
                     Some((run, pos))
                 }
-                None if h.room <= 0 => {
+                Err(_) if h.room <= 0 => {
                     h.refused += 1;
                     None
                 }
-                None => self.add_block(part, prev, (key, *count), claim, keys.len() - i, h),
+                Err(vacant) => {
+                    let block = NewBlock {
+                        key,
+                        count: *count,
+                        vacant,
+                    };
+                    self.add_block(part, prev, block, claim, keys.len() - i, h)
+                }
             };
         }
     }
@@ -1085,7 +1124,7 @@ impl Writing<'_> {
         &mut self,
         part: PartitionId,
         prev: Option<(u32, usize)>,
-        (key, count): (&Key<'_>, u32),
+        NewBlock { key, count, vacant }: NewBlock<'_, '_>,
         claim: Claim,
         remaining: usize,
         h: &mut Holding,
@@ -1138,7 +1177,8 @@ impl Writing<'_> {
         }
         body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
         body.publish_len(pos + 1);
-        self.insert_key(key.probe, loc(run, pos));
+        // The slot its failed search found: nothing since touched the table.
+        self.insert_key(key.probe, loc(run, pos), Some(vacant));
         self.w.live[run as usize] += 1;
         self.w.entries += 1;
         h.room -= 1;

@@ -51,6 +51,11 @@ impl Probe {
 #[derive(Debug, Default)]
 struct Slot(AtomicU64);
 
+/// A slot where a key that was not found can be inserted (valid until the
+/// next insert or the next table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Vacant(usize);
+
 /// One generation of the table; replaced whole when it grows.
 #[derive(Debug)]
 pub(crate) struct KeyTable {
@@ -94,6 +99,44 @@ impl KeyTable {
                 return Some(word as u32);
             }
             i = (i + 1) & self.mask;
+        }
+    }
+
+    /// [`find`](Self::find), or where an insert of the probe would go (the
+    /// first empty or removed slot on its path), so that a writer adding a
+    /// key it did not find probes once, not twice.
+    pub fn find_or_vacant(
+        &self,
+        probe: Probe,
+        mut accept: impl FnMut(u32) -> bool,
+    ) -> Result<u32, Vacant> {
+        let mut i = self.home(probe);
+        let mut vacant = None;
+        loop {
+            let word = self.slots[i].0.load(Ordering::Acquire);
+            if word == EMPTY {
+                return Err(Vacant(vacant.unwrap_or(i)));
+            }
+            if word == TOMB {
+                vacant.get_or_insert(i);
+            } else if word & !0xFFFF_FFFF == probe.tag && accept(word as u32) {
+                return Ok(word as u32);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Adds a key at `loc` in the slot [`find_or_vacant`](Self::find_or_vacant)
+    /// found for it, when nothing was inserted since and the table is not
+    /// [`full`](Self::full).
+    pub fn insert_at(&self, vacant: Vacant, probe: Probe, loc: u32) {
+        let slot = &self.slots[vacant.0].0;
+        let word = slot.load(Ordering::Relaxed);
+        debug_assert!(word == EMPTY || word == TOMB, "a vacant slot");
+        slot.store(probe.tag | u64::from(loc), Ordering::Release);
+        bump(&self.live, 1);
+        if word == EMPTY {
+            bump(&self.used, 1);
         }
     }
 
@@ -231,5 +274,35 @@ mod tests {
         let small = t.rebuilt(0);
         assert_eq!(small.find(p, |_| true), Some(777));
         assert!(small.bytes() < t.bytes());
+    }
+
+    #[test]
+    fn a_key_not_found_goes_where_the_probe_stopped() {
+        let t = KeyTable::with_slots(64);
+        let p = Probe::of(mixed(1));
+        t.insert(p, 10);
+        let q = Probe {
+            tag: p.tag ^ (1 << 32) ^ (1 << 40),
+        };
+        let vacant = t.find_or_vacant(q, |_| true).expect_err("absent");
+        t.insert_at(vacant, q, 11);
+        assert_eq!(t.find_or_vacant(q, |loc| loc == 11), Ok(11));
+        assert_eq!(t.find(p, |loc| loc == 10), Some(10));
+        assert_eq!(t.len(), 2);
+        // A removed slot on the path is reused before the empty one after it.
+        assert!(t.remove(p, 10));
+        let used = t.used.load(Ordering::Relaxed);
+        let r = Probe {
+            tag: p.tag ^ (1 << 48),
+        };
+        let vacant = t.find_or_vacant(r, |_| true).expect_err("absent");
+        t.insert_at(vacant, r, 12);
+        assert_eq!(
+            t.used.load(Ordering::Relaxed),
+            used,
+            "the tombstone was reused"
+        );
+        assert_eq!(t.find(r, |loc| loc == 12), Some(12));
+        assert_eq!(t.find(q, |loc| loc == 11), Some(11));
     }
 }
