@@ -1,6 +1,6 @@
 //! Producer and consumer protobufs into the index, as the server's gRPC edge
-//! handles them: each record decodes a `CacheStateUpdate` (converted and
-//! bounded like `ReportCacheState`, then ingested) or a `LookupRouteRequest`
+//! handles them: each record decodes a `CacheStateUpdate` (bounded and
+//! converted like `ReportCacheState`, then ingested) or a `LookupRouteRequest`
 //! (bounded and resolved like `LookupRoute`, then looked up), or moves the
 //! clock or runs a sweep.
 //!
@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use inference_cache_index as index;
 use inference_cache_proto::v1alpha1::{CacheStateUpdate, LookupRouteRequest};
 use inference_cache_server::limits::{bound_lookup, bound_update};
-use inference_cache_server::{Limits, Metrics, cache_update};
+use inference_cache_server::{
+    Limits, Metrics, block_chain, cache_update, derived_chain, exact_token_count,
+};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 
@@ -35,28 +37,31 @@ fn lookup(idx: &index::CacheIndex, request: &LookupRouteRequest) -> index::Looku
     let now = Instant::now();
     query.arrived = now;
     query.deadline = Some(now + Duration::from_secs(60));
-    let tokens;
+    let wire;
+    let derived;
     if !request.block_hashes.is_empty() || !request.block_token_counts.is_empty() {
         if request.block_hashes.len() == request.block_token_counts.len() {
-            query.chain = Some(index::Chain {
-                hashes: index::BlockHashes::Bytes(&request.block_hashes),
-                token_counts: &request.block_token_counts,
-            });
-            query.wire_chain = true;
+            wire = block_chain(&request.block_hashes, &request.block_token_counts);
+            query.chain = match &wire {
+                Ok(chain) => index::ChainInput::Wire(chain),
+                Err(_) => index::ChainInput::Invalid,
+            };
             query.prefix_hash = &request.prefix_hash;
-            query.prefix_token_count = request.prefix_token_count;
+            query.prefix_token_count = exact_token_count(request.prefix_token_count);
         } else {
-            query.chain_malformed = true;
+            query.chain = index::ChainInput::Mismatched;
         }
     } else if !request.prefix_hash.is_empty() {
         query.prefix_hash = &request.prefix_hash;
-        query.prefix_token_count = request.prefix_token_count;
+        query.prefix_token_count = exact_token_count(request.prefix_token_count);
     } else if !request.token_ids.is_empty() {
-        tokens = inference_cache_fingerprint::request_chain(&request.token_ids, BLOCK_SIZE);
-        query.chain = Some(index::Chain {
-            hashes: index::BlockHashes::Fixed(&tokens.block_hashes),
-            token_counts: &tokens.block_token_counts,
-        });
+        derived = derived_chain(&inference_cache_fingerprint::request_chain(
+            &request.token_ids,
+            BLOCK_SIZE,
+        ));
+        if let Some(chain) = &derived {
+            query.chain = index::ChainInput::Derived(chain);
+        }
     }
     idx.lookup(&query)
 }
@@ -91,10 +96,9 @@ fuzz_target!(|data: &[u8]| {
         rest = tail;
         match kind % 4 {
             0 => {
-                if let Ok(update) = CacheStateUpdate::decode(record) {
-                    let mut update = cache_update(update);
+                if let Ok(mut update) = CacheStateUpdate::decode(record) {
                     bound_update(&limits, &metrics, &mut update);
-                    let _ = idx.ingest(&update);
+                    let _ = idx.ingest(&cache_update(update));
                 }
             }
             1 => {

@@ -8,10 +8,10 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_main};
-use inference_cache_index::{BlockHashes, CacheIndex, Chain, LookupRequest, SystemClock};
+use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, SystemClock};
 
 mod support;
-use support::{BLOCK, CHAIN_BLOCKS, Workload};
+use support::{CHAIN_BLOCKS, Workload};
 
 fn lookup(c: &mut Criterion) {
     let work = Workload::new(200_000, 3);
@@ -19,16 +19,12 @@ fn lookup(c: &mut Criterion) {
     for u in work.updates() {
         index.ingest(&u);
     }
-    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
     let mut i = 0usize;
     c.bench_function("lookup_64_block_chain_200k_entries", |b| {
         b.iter(|| {
             i = (i + 7919) % work.chains.len();
             let mut r = LookupRequest::new("tenant", "model", "vllm");
-            r.chain = Some(Chain {
-                hashes: BlockHashes::Bytes(&work.chains[i]),
-                token_counts: &counts,
-            });
+            r.chain = ChainInput::Wire(&work.block_chains[i]);
             black_box(index.lookup(&r))
         })
     });

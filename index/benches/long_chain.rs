@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use inference_cache_index::{
-    BlockHashes, CacheIndex, CacheUpdate, Chain, LookupRequest, PrefixReport, SystemClock,
+    BlockChain, CacheIndex, CacheUpdate, ChainInput, LookupRequest, PrefixReport, SystemClock,
 };
 
 fn main() {
@@ -31,14 +31,14 @@ fn main() {
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
     let mut all = Vec::new();
     for c in 0..chains {
-        let hashes: Vec<Vec<u8>> = (0..blocks)
+        let hashes: Vec<[u8; 8]> = (0..blocks)
             .map(|b| {
                 ((c as u64) << 32 | b as u64)
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15)
                     .to_be_bytes()
-                    .to_vec()
             })
             .collect();
+        let chain = BlockChain::from_words(hashes, vec![16; blocks]).expect("a valid chain");
         for r in 0..2 {
             index.ingest(&CacheUpdate {
                 replica_id: format!("replica-{}", (c + r) % 8),
@@ -46,16 +46,14 @@ fn main() {
                 model_id: "model".into(),
                 hash_scheme: "vllm".into(),
                 prefixes: vec![PrefixReport {
-                    block_hashes: hashes.clone(),
-                    block_token_counts: vec![16; blocks],
+                    chain: chain.clone(),
                     ..Default::default()
                 }],
                 ..Default::default()
             });
         }
-        all.push(hashes);
+        all.push(chain);
     }
-    let counts = vec![16i32; blocks];
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let mut samples = Vec::new();
     for _ in 0..if bench { 200_000 } else { 1000 } {
@@ -64,10 +62,7 @@ fn main() {
         state ^= state << 17;
         let c = (state % chains as u64) as usize;
         let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(&all[c]),
-            token_counts: &counts,
-        });
+        r.chain = ChainInput::Wire(&all[c]);
         let t = Instant::now();
         black_box(index.lookup(&r));
         samples.push(t.elapsed().as_nanos() as u64);

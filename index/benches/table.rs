@@ -20,12 +20,11 @@ use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::Instant;
 
 use inference_cache_index::{
-    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, EventKind, LookupRequest, Reason,
-    SystemClock,
+    CacheEvent, CacheIndex, CacheUpdate, ChainInput, EventKind, LookupRequest, Reason, SystemClock,
 };
 
 mod support;
-use support::{BLOCK, CHAIN_BLOCKS, Workload};
+use support::{CHAIN_BLOCKS, Workload};
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
@@ -172,10 +171,7 @@ const LOOKUPS: usize = 200_000;
 
 fn ours(work: &Workload) -> Row {
     let updates = work.updates();
-    let reports: usize = updates
-        .iter()
-        .map(|u| u.prefixes[0].block_hashes.len())
-        .sum();
+    let reports: usize = updates.iter().map(|u| u.prefixes[0].chain.len()).sum();
     let base = live();
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
     let start = Instant::now();
@@ -186,18 +182,14 @@ fn ours(work: &Workload) -> Row {
     let entries = index.entry_count() as usize;
     let bytes = (live() - base) as f64;
     drop(updates);
-    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
     let mut samples = Vec::with_capacity(LOOKUPS);
     let mut hits = 0usize;
     for c in lookup_order(work.chains.len(), LOOKUPS) {
-        // The server hands the index a freshly decoded request: copy it first
-        // so its hash bytes are cache-hot, as they are after decoding.
-        let decoded = work.chains[c].clone();
+        // The server hands the index a freshly converted request: copy it
+        // first so its hashes are cache-hot, as they are after decoding.
+        let decoded = work.block_chains[c].clone();
         let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(&decoded),
-            token_counts: &counts,
-        });
+        r.chain = ChainInput::Wire(&decoded);
         let t = Instant::now();
         let outcome = black_box(index.lookup(&r));
         samples.push(t.elapsed().as_nanos() as u64);
@@ -231,10 +223,7 @@ fn ours(work: &Workload) -> Row {
         work.chains.len(),
         |c| {
             let mut r = LookupRequest::new("tenant", "model", "vllm");
-            r.chain = Some(Chain {
-                hashes: BlockHashes::Bytes(&work.chains[c]),
-                token_counts: &counts,
-            });
+            r.chain = ChainInput::Wire(&work.block_chains[c]);
             black_box(index.lookup(&r));
         },
         |i| {
@@ -243,7 +232,7 @@ fn ours(work: &Workload) -> Row {
             if i % feed.len() == feed.len() - 1 {
                 index.publish(&clear);
             }
-            u.prefixes[0].block_hashes.len()
+            u.prefixes[0].chain.len()
         },
     );
     Row {
@@ -357,14 +346,11 @@ fn many_holders(holders: usize) {
         index.ingest(&u);
     }
     assert_eq!(index.entry_count() as usize, holders * CHAIN_BLOCKS);
-    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
+    let typed = &work.block_chains[0];
     let mut samples = Vec::with_capacity(2000);
     for _ in 0..2000 {
         let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(chain),
-            token_counts: &counts,
-        });
+        r.chain = ChainInput::Wire(typed);
         let t = Instant::now();
         let outcome = black_box(index.lookup(&r));
         samples.push(t.elapsed().as_nanos() as u64);

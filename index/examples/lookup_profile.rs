@@ -22,8 +22,8 @@ mod support;
 use std::hint::black_box;
 use std::sync::Arc;
 
-use inference_cache_index::{BlockHashes, CacheIndex, Chain, LookupRequest, Reason, SystemClock};
-use support::{BLOCK, CHAIN_BLOCKS, Workload};
+use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, Reason, SystemClock};
+use support::Workload;
 
 const LOOKUPS: usize = 20_000;
 
@@ -42,22 +42,18 @@ fn main() {
     let reports: usize = work
         .updates()
         .iter()
-        .map(|u| u.prefixes[0].block_hashes.len())
+        .map(|u| u.prefixes[0].chain.len())
         .sum();
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
     for u in work.updates() {
         index.ingest(&u);
     }
-    let counts = vec![BLOCK as i32; CHAIN_BLOCKS];
     let mut c = 0usize;
     let mut hits = 0usize;
     for _ in 0..LOOKUPS {
         c = (c + 7919) % work.chains.len();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
-        request.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(&work.chains[c]),
-            token_counts: &counts,
-        });
+        request.chain = ChainInput::Wire(&work.block_chains[c]);
         let outcome = black_box(index.lookup(&request));
         hits += usize::from(matches!(
             outcome.reason,

@@ -349,7 +349,7 @@ impl CacheIndex {
     /// Applies one additive update from a replica.
     pub fn ingest(&self, update: &CacheUpdate) -> IngestReport {
         let mut report = IngestReport::default();
-        let prefix_total = update.prefixes.len() as u64;
+        let prefix_total = (update.prefixes.len() + update.rejected.len()) as u64;
         if update.tenant_id == PROBE_TENANT {
             report.drop(DropReason::ProbeTenant, prefix_total);
             return report;
@@ -428,21 +428,13 @@ impl CacheIndex {
             parts: SmallVec::new(),
             prefixes: SmallVec::new(),
         };
+        // Chains are valid by construction; what the sender refused is
+        // counted here, after the checks of the whole update.
+        for &reason in &update.rejected {
+            report.drop(reason, 1);
+        }
         for prefix in &update.prefixes {
-            let has_chain =
-                !prefix.block_hashes.is_empty() || !prefix.block_token_counts.is_empty();
-            if has_chain {
-                if prefix.block_hashes.len() != prefix.block_token_counts.len()
-                    || prefix.block_token_counts.iter().any(|&c| c < 0)
-                {
-                    report.drop(DropReason::MalformedChain, 1);
-                    continue;
-                }
-                if prefix.block_hashes.iter().any(Vec::is_empty) {
-                    report.drop(DropReason::EmptyHash, 1);
-                    continue;
-                }
-            } else if prefix.prefix_hash.is_empty() {
+            if prefix.chain.is_empty() && prefix.prefix_hash.is_empty() {
                 report.drop(DropReason::EmptyHash, 1);
                 continue;
             }
@@ -560,22 +552,16 @@ impl CacheIndex {
             let claim = claim_at(tier);
             let before = (holding.added, holding.new_keys, holding.displaced.len());
             keys.clear();
+            let chain = &prefix.chain;
             keys.extend(
-                prefix
-                    .block_hashes
-                    .iter()
-                    .zip(&prefix.block_token_counts)
-                    .map(|(hash, &count)| (Key::of_bytes(part, hash), count.max(0) as u32)),
+                (chain.hashes.refs())
+                    .zip(&chain.token_counts)
+                    .map(|(hash, &count)| (Key::new(part, hash), count)),
             );
             w.hold(part, &keys, claim, &mut holding);
             if !prefix.prefix_hash.is_empty() {
                 let key = Key::of_bytes(part, &prefix.prefix_hash);
-                w.hold(
-                    part,
-                    &[(key, prefix.token_count.max(0) as u32)],
-                    claim,
-                    &mut holding,
-                );
+                w.hold(part, &[(key, prefix.token_count)], claim, &mut holding);
             }
             parts[slot].added += holding.added - before.0;
             parts[slot].new_keys += holding.new_keys - before.1;

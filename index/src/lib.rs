@@ -7,6 +7,9 @@
 //!   ([`CacheIndex::publish`]), lookups ([`CacheIndex::lookup`]), aggregates
 //!   ([`CacheIndex::cache_state`], [`CacheIndex::snapshot`]) and bounded memory
 //!   ([`CacheIndex::sweep`]).
+//! - [`BlockChain`]: a reported or looked-up block chain, valid by
+//!   construction (as many `u32` token counts as hashes, no empty hash);
+//!   [`ChainInput`] says what chain a lookup has, or why none.
 //! - [`PolicySet`] / [`CachePolicy`]: per-tenant knobs parsed from a YAML stream
 //!   of CachePolicy objects.
 //! - [`Clock`]: the time source, so time rules are testable ([`ManualClock`]).
@@ -22,7 +25,8 @@
 //!
 //! let clock = ManualClock::default();
 //! let index = CacheIndex::new(Arc::new(clock), DEFAULT_MAX_ENTRIES);
-//! let blocks: Vec<Vec<u8>> = (1u64..=3).map(|h| h.to_be_bytes().to_vec()).collect();
+//! let blocks: Vec<[u8; 8]> = (1u64..=3).map(u64::to_be_bytes).collect();
+//! let chain = |n: usize| BlockChain::from_words(blocks[..n].to_vec(), vec![64; n]);
 //! for (replica, held) in [("a", 3), ("b", 2), ("c", 1)] {
 //!     index.ingest(&CacheUpdate {
 //!         replica_id: replica.into(),
@@ -30,20 +34,20 @@
 //!         model_id: "m".into(),
 //!         hash_scheme: "vllm".into(),
 //!         prefixes: vec![PrefixReport {
-//!             block_hashes: blocks[..held].to_vec(),
-//!             block_token_counts: vec![64; held],
+//!             chain: chain(held)?,
 //!             ..Default::default()
 //!         }],
 //!         ..Default::default()
 //!     });
 //! }
-//! let counts = [64; 3];
+//! let request_chain = chain(3)?;
 //! let mut request = LookupRequest::new("t", "m", "vllm");
-//! request.chain = Some(Chain { hashes: BlockHashes::Bytes(&blocks), token_counts: &counts });
+//! request.chain = ChainInput::Wire(&request_chain);
 //! let outcome = index.lookup(&request);
 //! assert_eq!(outcome.reason, Reason::PrefixMatch);
 //! let order: Vec<&str> = outcome.scores.iter().map(|s| &*s.replica_id).collect();
 //! assert_eq!(order, ["a", "b", "c"]);
+//! # Ok::<(), DropReason>(())
 //! ```
 
 mod catalog;
@@ -62,7 +66,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_HOLDERS_PER_KEY};
 pub use lookup::{affinity_digest, pick_affinity};
 pub use messages::{
-    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, Chain, Decision, DropReason, EventKind,
+    BlockChain, CacheEvent, CacheSummary, CacheUpdate, ChainInput, Decision, DropReason, EventKind,
     EventReport, EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT,
     PrefixReport, Reason, ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
     SweepReport, TenantSnapshot, Tier,

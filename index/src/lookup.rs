@@ -31,8 +31,8 @@ use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
-    BlockHashes, Chain, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason, ReplicaScore,
-    Tier,
+    BlockChain, Chain, ChainInput, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason,
+    ReplicaScore, Tier,
 };
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
@@ -189,40 +189,28 @@ fn admit<'r>(req: &LookupRequest<'r>, policy: &CachePolicy) -> Result<Admitted<'
     if expired(deadline) {
         return Err(LookupOutcome::empty(Reason::Timeout, ""));
     }
-    if policy.strategy.require_chain && !req.wire_chain {
+    if policy.strategy.require_chain && !req.chain.from_wire() {
         return Err(LookupOutcome::empty(Reason::PolicyRequiresChain, ""));
     }
     let adapter = req.adapter_id;
-    if req.hash_scheme.is_empty() || req.chain_malformed {
+    if req.hash_scheme.is_empty() || matches!(req.chain, ChainInput::Mismatched) {
         return Err(LookupOutcome::empty(Reason::NoHint, adapter));
     }
     let chain = if policy.strategy.enable_chain_matching {
-        req.chain.filter(|c| !c.hashes.is_empty())
+        // The chain matching would read is not a valid one.
+        if matches!(req.chain, ChainInput::Invalid) {
+            return Err(LookupOutcome::empty(Reason::NoHint, adapter));
+        }
+        req.chain.chain().filter(|c| !c.is_empty())
     } else {
         None
     };
-    // A chain's shape is checked and its tokens summed in one pass.
     let request_tokens = match chain {
-        Some(c) => {
-            let mut negative = false;
-            let mut tokens = 0i64;
-            for &n in c.token_counts {
-                negative |= n < 0;
-                tokens += i64::from(n);
-            }
-            let empty_hash = match c.hashes {
-                BlockHashes::Bytes(hashes) => hashes.iter().any(Vec::is_empty),
-                BlockHashes::Fixed(_) => false,
-            };
-            if c.hashes.len() != c.token_counts.len() || negative || empty_hash {
-                return Err(LookupOutcome::empty(Reason::NoHint, adapter));
-            }
-            tokens
-        }
+        Some(c) => i64::try_from(c.tokens()).unwrap_or(i64::MAX),
         None if req.prefix_hash.is_empty() => {
             return Err(LookupOutcome::empty(Reason::NoHint, adapter));
         }
-        None => i64::from(req.prefix_token_count.max(0)),
+        None => i64::from(req.prefix_token_count),
     };
     Ok(Admitted {
         deadline,
@@ -336,7 +324,7 @@ impl CacheIndex {
         // worked out while it is under way.
         let reader = self.store.reader();
         let first = match (at.part, admitted.chain) {
-            (Some(p), Some(c)) => Some(Key::of_bytes(p, c.hashes.get(0))),
+            (Some(p), Some(c)) => Some(Key::new(p, c.hashes.hash(0))),
             _ => None,
         };
         if let Some(key) = &first {
@@ -643,7 +631,7 @@ impl CacheIndex {
         &self,
         part: PartitionId,
         prefix_hash: &[u8],
-        request_tokens: i32,
+        request_tokens: u32,
         cands: &mut Candidates,
     ) -> Matched {
         let reader = self.store.reader();
@@ -657,7 +645,7 @@ impl CacheIndex {
         let tokens = if stored > 0 {
             i64::from(stored)
         } else {
-            i64::from(request_tokens.max(0))
+            i64::from(request_tokens)
         };
         for row in 0..body.row_count() {
             let cell = body.cell(row, pos);
@@ -871,7 +859,7 @@ impl CacheIndex {
             };
             match chain {
                 Some(c) => (0..blocks.min(c.hashes.len()))
-                    .for_each(|i| credit(&Key::of_bytes(part, c.hashes.get(i)))),
+                    .for_each(|i| credit(&Key::new(part, c.hashes.hash(i)))),
                 None => credit(&Key::of_bytes(part, prefix_hash)),
             }
         }
@@ -888,8 +876,8 @@ fn walk_chain(
     cands: &mut Candidates,
 ) -> Matched {
     let n = chain.hashes.len();
-    let counts = chain.token_counts;
-    let Some((mut guard, mut pos)) = reader.locate(part, &Key::of_bytes(part, chain.hashes.get(0)))
+    let counts = &chain.token_counts[..];
+    let Some((mut guard, mut pos)) = reader.locate(part, &Key::new(part, chain.hashes.hash(0)))
     else {
         return Matched::Miss;
     };
@@ -911,16 +899,16 @@ fn walk_chain(
         // request that branches off earlier wastes one prefetch).
         let end = i + (len - pos);
         if end < n {
-            reader.touch(&Key::of_bytes(part, chain.hashes.get(end)));
+            reader.touch(&Key::new(part, chain.hashes.hash(end)));
         }
         // How far the request follows this run: one compare per block.
-        let m = body.follow(pos, len, chain.hashes, i);
+        let m = body.follow(pos, len, &chain.hashes, i);
         // Where the request leaves the run it continues through another
         // one: find that run now, so its misses (key-table slot, body,
         // header) are under way while the cells here are read (their lines
         // were asked for before the compares).
         let next = if i + m < n {
-            reader.locate(part, &Key::of_bytes(part, chain.hashes.get(i + m)))
+            reader.locate(part, &Key::new(part, chain.hashes.hash(i + m)))
         } else {
             None
         };
@@ -977,12 +965,12 @@ fn walk_chain(
 
 /// The request's token counts over one stretch of a run, and their sum.
 struct Tokens<'a> {
-    counts: &'a [i32],
+    counts: &'a [u32],
     total: i64,
 }
 
 impl<'a> Tokens<'a> {
-    fn of(counts: &'a [i32]) -> Self {
+    fn of(counts: &'a [u32]) -> Self {
         Self {
             counts,
             total: counts.iter().map(|&n| i64::from(n)).sum(),
@@ -1023,7 +1011,7 @@ fn sort_scores(scores: &mut [ReplicaScore]) {
 
 /// SHA-256 of the affinity seed: each chain hash prefixed by its 4-byte
 /// big-endian length, concatenated; else the raw `prefix_hash`. `None` without either.
-pub fn affinity_digest(chain: Option<Chain<'_>>, prefix_hash: &[u8]) -> Option<[u8; 32]> {
+pub fn affinity_digest(chain: Option<&BlockChain>, prefix_hash: &[u8]) -> Option<[u8; 32]> {
     let mut hasher = Sha256::new();
     match chain {
         Some(c) if !c.hashes.is_empty() => {

@@ -1,14 +1,20 @@
 //! Plain input and output types of the index: what producers report, what a
 //! lookup asks and what it answers. No transport types; the server converts.
 //!
-//! Inputs are borrowed where the caller already owns the bytes (a lookup never
-//! copies the request's hashes) and owned where they are moved in from a
-//! decoded message (ingest).
+//! Inputs are typed and valid by construction: token counts are `u32`, and a
+//! [`BlockChain`] has as many token counts as hashes and no empty hash, its
+//! 8-byte hashes kept as one array of words (no allocation per block). The
+//! server checks the wire's `int32` counts and byte strings once, when it
+//! converts a message, and reports what it refused with the same
+//! [`DropReason`]s ([`CacheUpdate::rejected`]) or answers (a
+//! [`ChainInput`] that is not a valid chain). A lookup borrows its chain.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
+
+use crate::store::HashRef;
 
 /// Reserved tenant of the server's self-test; unreadable and unwritable here.
 pub const PROBE_TENANT: &str = "inferencecache.io/probe";
@@ -44,17 +50,16 @@ impl Tier {
     }
 }
 
-/// One reported prefix: a block chain, a legacy single hash, or both.
+/// One reported prefix: a block chain, a legacy single hash, or both. One
+/// with neither is dropped at ingest ([`DropReason::EmptyHash`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PrefixReport {
-    /// Legacy exact-match key.
+    /// Legacy exact-match key (empty: none).
     pub prefix_hash: Vec<u8>,
     /// Tokens behind `prefix_hash`.
-    pub token_count: i32,
-    /// Per-block hashes, parallel to `block_token_counts`.
-    pub block_hashes: Vec<Vec<u8>>,
-    /// Tokens per block.
-    pub block_token_counts: Vec<i32>,
+    pub token_count: u32,
+    /// The block chain (empty: none).
+    pub chain: BlockChain,
     /// Where the replica holds it; unspecified means T1.
     pub tier: Tier,
     /// Index partition; empty falls back to the update's adapter.
@@ -101,6 +106,13 @@ pub struct CacheUpdate {
     pub adapter_id: String,
     /// Added or refreshed prefixes.
     pub prefixes: Vec<PrefixReport>,
+    /// Reported prefixes refused before they became [`PrefixReport`]s (a
+    /// chain [`BlockChain::new`] does not accept, or a negative token
+    /// count), one reason each. Ingest counts them as dropped after the
+    /// checks of the whole update (probe tenant, replica, hash scheme), so
+    /// a refused prefix is counted once, under the reason it would have had
+    /// among the others.
+    pub rejected: Vec<DropReason>,
     /// Latest statistics, if any.
     pub stats: Option<ReplicaStatsReport>,
 }
@@ -110,7 +122,7 @@ pub struct CacheUpdate {
 pub enum DropReason {
     /// The update had no hash_scheme.
     EmptyHashScheme,
-    /// block_hashes and block_token_counts differ in length, or a count is negative.
+    /// A chain's hashes and token counts differ in length, or a count is negative.
     MalformedChain,
     /// An empty hash inside a chain, or neither chain nor prefix_hash.
     EmptyHash,
@@ -220,21 +232,31 @@ pub struct EventReport {
     pub entries_removed: u64,
 }
 
-/// Block hashes of a lookup chain.
-#[derive(Debug, Clone, Copy)]
-pub enum BlockHashes<'a> {
-    /// Wire bytes, any width.
-    Bytes(&'a [Vec<u8>]),
-    /// Wire form of 8-byte fingerprints.
-    Fixed(&'a [[u8; 8]]),
+/// Hashes of a [`BlockChain`], stored contiguously: 8-byte hashes (what
+/// every hash scheme this project fingerprints produces) as one array of
+/// words, and a chain with any other width as one byte string with the end
+/// offset of each hash. Never holds an empty hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BlockHashes {
+    /// Every hash is 8 bytes (the wire form: big-endian).
+    Narrow(Vec<[u8; 8]>),
+    /// At least one hash of another width: hash `i` is
+    /// `bytes[ends[i - 1]..ends[i]]` (from 0 for the first).
+    Wide { bytes: Vec<u8>, ends: Vec<usize> },
 }
 
-impl<'a> BlockHashes<'a> {
+impl Default for BlockHashes {
+    fn default() -> Self {
+        Self::Narrow(Vec::new())
+    }
+}
+
+impl BlockHashes {
     /// Number of hashes.
     pub fn len(&self) -> usize {
         match self {
-            Self::Bytes(b) => b.len(),
-            Self::Fixed(f) => f.len(),
+            Self::Narrow(words) => words.len(),
+            Self::Wide { ends, .. } => ends.len(),
         }
     }
 
@@ -244,22 +266,180 @@ impl<'a> BlockHashes<'a> {
     }
 
     /// Hash `i` as bytes.
-    pub fn get(&self, i: usize) -> &'a [u8] {
-        match *self {
-            Self::Bytes(b) => &b[i],
-            Self::Fixed(f) => &f[i],
+    pub fn get(&self, i: usize) -> &[u8] {
+        match self {
+            Self::Narrow(words) => &words[i],
+            Self::Wide { bytes, ends } => {
+                let start = if i == 0 { 0 } else { ends[i - 1] };
+                &bytes[start..ends[i]]
+            }
+        }
+    }
+
+    /// Hash `i` as the store reads it: an 8-byte hash is its word, with no
+    /// width check for a chain of 8-byte hashes.
+    pub fn hash(&self, i: usize) -> HashRef<'_> {
+        match self {
+            Self::Narrow(words) => HashRef::Narrow(u64::from_be_bytes(words[i])),
+            Self::Wide { .. } => HashRef::from_bytes(self.get(i)),
+        }
+    }
+
+    /// Every hash as the store reads it, in order.
+    pub fn refs(&self) -> impl Iterator<Item = HashRef<'_>> + '_ {
+        (0..self.len()).map(|i| self.hash(i))
+    }
+}
+
+/// A block chain: each block's hash and the tokens in it, in order. Valid by
+/// construction: as many token counts as hashes, and no empty hash (see
+/// [`BlockChain::new`]); the default is the empty chain.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockChain {
+    pub(crate) hashes: BlockHashes,
+    pub(crate) token_counts: Vec<u32>,
+}
+
+impl BlockChain {
+    /// A chain of hashes of any width: [`DropReason::MalformedChain`] when
+    /// there are not as many token counts as hashes, else
+    /// [`DropReason::EmptyHash`] when a hash is empty. Hashes of 8 bytes are
+    /// kept as words; any other width in the chain keeps them all as one
+    /// byte string.
+    pub fn new<H: AsRef<[u8]>>(hashes: &[H], token_counts: Vec<u32>) -> Result<Self, DropReason> {
+        if hashes.len() != token_counts.len() {
+            return Err(DropReason::MalformedChain);
+        }
+        let mut narrow = true;
+        for hash in hashes {
+            match hash.as_ref().len() {
+                0 => return Err(DropReason::EmptyHash),
+                8 => {}
+                _ => narrow = false,
+            }
+        }
+        let hashes = if narrow {
+            BlockHashes::Narrow(
+                hashes
+                    .iter()
+                    .map(|h| <[u8; 8]>::try_from(h.as_ref()).unwrap_or_default())
+                    .collect(),
+            )
+        } else {
+            let mut bytes = Vec::with_capacity(hashes.iter().map(|h| h.as_ref().len()).sum());
+            let ends = hashes
+                .iter()
+                .map(|h| {
+                    bytes.extend_from_slice(h.as_ref());
+                    bytes.len()
+                })
+                .collect();
+            BlockHashes::Wide { bytes, ends }
+        };
+        Ok(Self {
+            hashes,
+            token_counts,
+        })
+    }
+
+    /// A chain of 8-byte hashes (wire form, big-endian), taken as they are:
+    /// [`DropReason::MalformedChain`] when there are not as many token
+    /// counts as hashes.
+    pub fn from_words(hashes: Vec<[u8; 8]>, token_counts: Vec<u32>) -> Result<Self, DropReason> {
+        if hashes.len() != token_counts.len() {
+            return Err(DropReason::MalformedChain);
+        }
+        Ok(Self {
+            hashes: BlockHashes::Narrow(hashes),
+            token_counts,
+        })
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.token_counts.len()
+    }
+
+    /// True for the empty chain.
+    pub fn is_empty(&self) -> bool {
+        self.token_counts.is_empty()
+    }
+
+    /// Block `i`'s hash.
+    pub fn hash(&self, i: usize) -> &[u8] {
+        self.hashes.get(i)
+    }
+
+    /// Every block's hash, in order.
+    pub fn hashes(&self) -> impl ExactSizeIterator<Item = &[u8]> + '_ {
+        (0..self.len()).map(|i| self.hashes.get(i))
+    }
+
+    /// Tokens per block.
+    pub fn token_counts(&self) -> &[u32] {
+        &self.token_counts
+    }
+
+    /// Tokens of the whole chain.
+    pub fn tokens(&self) -> u64 {
+        self.token_counts.iter().map(|&n| u64::from(n)).sum()
+    }
+
+    /// Keeps the first `blocks` blocks (still a valid chain).
+    pub fn truncate(&mut self, blocks: usize) {
+        if blocks >= self.len() {
+            return;
+        }
+        self.token_counts.truncate(blocks);
+        match &mut self.hashes {
+            BlockHashes::Narrow(words) => words.truncate(blocks),
+            BlockHashes::Wide { bytes, ends } => {
+                ends.truncate(blocks);
+                bytes.truncate(ends.last().copied().unwrap_or(0));
+            }
         }
     }
 }
 
-/// A block chain: hashes and the tokens in each block.
-#[derive(Debug, Clone, Copy)]
-pub struct Chain<'a> {
-    /// Hashes in order.
-    pub hashes: BlockHashes<'a>,
-    /// Tokens per block (same length as `hashes`).
-    pub token_counts: &'a [i32],
+/// How a lookup is fingerprinted as a chain, as the server resolved it.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum ChainInput<'a> {
+    /// No chain: the exact `prefix_hash`, if any, is the key.
+    #[default]
+    None,
+    /// A wire chain whose hashes and token counts differ in length:
+    /// malformed, NO_HINT (after the probe tenant, TIMEOUT and
+    /// POLICY_REQUIRES_CHAIN; not a wire chain for `requireChain`).
+    Mismatched,
+    /// A wire chain of as many token counts as hashes, with a negative
+    /// count or an empty hash: a wire chain for `requireChain`, then NO_HINT
+    /// when chain matching is on; with chain matching off the lookup goes
+    /// on with `prefix_hash`, as for a valid wire chain.
+    Invalid,
+    /// A valid wire chain.
+    Wire(&'a BlockChain),
+    /// A chain the server computed (from token ids or a tokenized prompt).
+    Derived(&'a BlockChain),
 }
+
+impl<'a> ChainInput<'a> {
+    /// The chain, when there is a valid one.
+    pub fn chain(self) -> Option<&'a BlockChain> {
+        match self {
+            Self::Wire(c) | Self::Derived(c) => Some(c),
+            Self::None | Self::Mismatched | Self::Invalid => None,
+        }
+    }
+
+    /// True when the request carried a wire chain of parallel arrays
+    /// (what `requireChain` asks for).
+    pub fn from_wire(self) -> bool {
+        matches!(self, Self::Wire(_) | Self::Invalid)
+    }
+}
+
+/// A chain as the lookup steps pass it on.
+pub(crate) type Chain<'a> = &'a BlockChain;
 
 /// A lookup as the server resolved it from the wire.
 #[derive(Debug, Clone)]
@@ -272,16 +452,13 @@ pub struct LookupRequest<'a> {
     pub hash_scheme: &'a str,
     /// adapter_id (partition).
     pub adapter_id: &'a str,
-    /// Resolved chain (wire chain, else derived from token ids); `None` when absent.
-    pub chain: Option<Chain<'a>>,
-    /// True when the wire chain's arrays disagree in length (malformed → NO_HINT).
-    pub chain_malformed: bool,
-    /// True when the request carried a valid, non-empty wire chain (for `requireChain`).
-    pub wire_chain: bool,
+    /// The chain: a wire chain (valid or not), one derived from token ids,
+    /// or none.
+    pub chain: ChainInput<'a>,
     /// Legacy exact-match key.
     pub prefix_hash: &'a [u8],
     /// Tokens behind `prefix_hash`.
-    pub prefix_token_count: i32,
+    pub prefix_token_count: u32,
     /// SLO TTFT in milliseconds (0 = none).
     pub slo_ttft_ms: i32,
     /// When the request arrived (start of the `lookupTimeoutMs` budget).
@@ -298,9 +475,7 @@ impl<'a> LookupRequest<'a> {
             model_id,
             hash_scheme,
             adapter_id: "",
-            chain: None,
-            chain_malformed: false,
-            wire_chain: false,
+            chain: ChainInput::None,
             prefix_hash: &[],
             prefix_token_count: 0,
             slo_ttft_ms: 0,

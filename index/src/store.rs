@@ -607,16 +607,16 @@ impl Body {
     /// How many positions from `pos` (which holds request block `at`) the
     /// request follows this run: 1 plus the following blocks whose hashes
     /// equal the run's next positions, up to the published length `len`.
-    pub fn follow(&self, pos: usize, len: usize, request: BlockHashes<'_>, at: usize) -> usize {
+    pub fn follow(&self, pos: usize, len: usize, request: &BlockHashes, at: usize) -> usize {
         let n = request.len();
         let mut m = 1;
         if self.data.wide.is_none() {
             let stored = &self.data.words[HEAD + pos..HEAD + len];
             while at + m < n && m < stored.len() {
-                let Ok(bytes) = <[u8; 8]>::try_from(request.get(at + m)) else {
+                let HashRef::Narrow(word) = request.hash(at + m) else {
                     break;
                 };
-                if stored[m].load(Ordering::Relaxed) != u64::from_be_bytes(bytes) {
+                if stored[m].load(Ordering::Relaxed) != word {
                     break;
                 }
                 m += 1;
@@ -624,7 +624,7 @@ impl Body {
             return m;
         }
         while at + m < n && pos + m < len {
-            let hash = HashRef::from_bytes(request.get(at + m));
+            let hash = request.hash(at + m);
             if !self.holds(pos + m, hash, hash.word()) {
                 break;
             }

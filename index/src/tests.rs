@@ -46,15 +46,14 @@ fn update(replica: &str, prefixes: Vec<PrefixReport>) -> CacheUpdate {
     }
 }
 
-fn chain_prefix(blocks: &[Vec<u8>], tokens: i32) -> PrefixReport {
+fn chain_prefix(blocks: &[Vec<u8>], tokens: u32) -> PrefixReport {
     PrefixReport {
-        block_hashes: blocks.to_vec(),
-        block_token_counts: vec![tokens; blocks.len()],
+        chain: BlockChain::new(blocks, vec![tokens; blocks.len()]).expect("a valid chain"),
         ..Default::default()
     }
 }
 
-fn exact_prefix(hash: u64, tokens: i32) -> PrefixReport {
+fn exact_prefix(hash: u64, tokens: u32) -> PrefixReport {
     PrefixReport {
         prefix_hash: h(hash),
         token_count: tokens,
@@ -97,15 +96,12 @@ impl Fixture {
     fn lookup_chain(&self, blocks: &[Vec<u8>]) -> LookupOutcome {
         let counts = vec![64; blocks.len()];
         let mut r = LookupRequest::new(T, M, S);
-        r.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(blocks),
-            token_counts: &counts,
-        });
-        r.wire_chain = true;
+        let block_chain = BlockChain::new(blocks, counts.to_vec()).expect("a valid chain");
+        r.chain = ChainInput::Wire(&block_chain);
         self.index.lookup(&r)
     }
 
-    fn lookup_exact(&self, hash: u64, tokens: i32) -> LookupOutcome {
+    fn lookup_exact(&self, hash: u64, tokens: u32) -> LookupOutcome {
         let bytes = h(hash);
         let mut r = LookupRequest::new(T, M, S);
         r.prefix_hash = &bytes;
@@ -241,36 +237,46 @@ fn chain_lookup_hits_legacy_entry_on_first_block() {
 #[test]
 fn malformed_and_empty_scheme_ingest_dropped_and_counted() {
     let f = fixture();
-    let bad = PrefixReport {
-        block_hashes: chain(1..3),
-        block_token_counts: vec![64],
-        ..Default::default()
-    };
-    let empty_hash = PrefixReport {
-        block_hashes: vec![vec![]],
-        block_token_counts: vec![64],
-        ..Default::default()
-    };
-    let r = f.index.ingest(&update(
-        "A",
-        vec![
-            bad,
-            empty_hash,
-            PrefixReport::default(),
-            exact_prefix(5, 16),
-        ],
-    ));
+    // A chain is checked when it is built ...
+    assert_eq!(
+        BlockChain::new(&chain(1..3), vec![64]),
+        Err(DropReason::MalformedChain)
+    );
+    assert_eq!(
+        BlockChain::new(&[Vec::<u8>::new()], vec![64]),
+        Err(DropReason::EmptyHash)
+    );
+    assert_eq!(
+        BlockChain::from_words(vec![[1; 8]], vec![]),
+        Err(DropReason::MalformedChain)
+    );
+    // ... and what the sender refused is counted with the update's drops.
+    let mut u = update("A", vec![PrefixReport::default(), exact_prefix(5, 16)]);
+    u.rejected = vec![DropReason::MalformedChain, DropReason::EmptyHash];
+    let r = f.index.ingest(&u);
     assert_eq!(r.dropped_for(DropReason::MalformedChain), 1);
     assert_eq!(r.dropped_for(DropReason::EmptyHash), 2);
     assert_eq!(r.accepted_prefixes, 1);
+    // The checks of the whole update come first: a refused prefix counts
+    // under their reason.
     let mut u = update("A", vec![exact_prefix(6, 16)]);
     u.hash_scheme.clear();
+    u.rejected = vec![DropReason::MalformedChain];
     let r = f.index.ingest(&u);
-    assert_eq!(r.dropped_for(DropReason::EmptyHashScheme), 1);
+    assert_eq!(r.dropped_for(DropReason::EmptyHashScheme), 2);
+    assert_eq!(r.dropped_for(DropReason::MalformedChain), 0);
     assert_eq!(f.index.entry_count(), 1);
     let mut u = update("A", vec![exact_prefix(6, 16)]);
     u.tenant_id = PROBE_TENANT.into();
-    assert_eq!(f.index.ingest(&u).dropped_for(DropReason::ProbeTenant), 1);
+    u.rejected = vec![DropReason::EmptyHash];
+    assert_eq!(f.index.ingest(&u).dropped_for(DropReason::ProbeTenant), 2);
+    let mut u = update("", vec![]);
+    u.rejected = vec![DropReason::EmptyHash];
+    let r = f.index.ingest(&u);
+    assert_eq!(
+        (r.dropped_for(DropReason::EmptyReplica), r.dropped.len()),
+        (1, 1)
+    );
     assert_eq!(f.index.entry_count(), 1);
 }
 
@@ -279,18 +285,17 @@ fn malformed_and_empty_scheme_lookups_are_no_hint() {
     let f = fixture();
     let blocks = chain(1..3);
     f.hold("A", &blocks);
-    let counts = [64];
-    let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
-    r.adapter_id = "x";
-    let o = f.index.lookup(&r);
-    assert_eq!((o.reason, o.adapter_id.as_str()), (Reason::NoHint, "x"));
-    let mut r = LookupRequest::new(T, M, S);
-    r.chain_malformed = true;
-    assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
+    for malformed in [ChainInput::Mismatched, ChainInput::Invalid] {
+        let mut r = LookupRequest::new(T, M, S);
+        r.chain = malformed;
+        r.adapter_id = "x";
+        let o = f.index.lookup(&r);
+        assert_eq!(
+            (o.reason, o.adapter_id.as_str(), o.decision),
+            (Reason::NoHint, "x", Decision::NotConsulted),
+            "{malformed:?}"
+        );
+    }
     let mut r = LookupRequest::new(T, M, "");
     let bytes = h(1);
     r.prefix_hash = &bytes;
@@ -307,18 +312,15 @@ fn matched_tokens_floor_downgrades_to_affinity_or_no_hint() {
     let f = fixture();
     let blocks = chain(1..3);
     let p = PrefixReport {
-        block_hashes: blocks.clone(),
-        block_token_counts: vec![16, 16],
+        chain: BlockChain::new(&blocks, vec![16, 16]).expect("a valid chain"),
         ..Default::default()
     };
     f.index.ingest(&update("A", vec![p]));
     f.hold("B", &chain(50..51));
     let counts = [16, 16];
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     let o = f.index.lookup(&r);
     assert_eq!(o.reason, Reason::AffinityHint);
     assert_eq!(o.scores.len(), 1);
@@ -417,10 +419,8 @@ fn slo_bias_and_pressure() {
     f.stats("A", 0.5, 0.25);
     let counts = [64, 64];
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     let base = f.index.lookup(&r).scores[0].score;
     assert!((base - 128.0 * 0.75).abs() < 1e-3, "{base}");
     r.slo_ttft_ms = 100;
@@ -457,17 +457,13 @@ fn diagnostics_outer_to_inner_and_cold_start() {
     let blocks = chain(500..502);
     let counts = [64, 64];
     let mut r = LookupRequest::new(T, M, "sglang");
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     assert_eq!(f.index.lookup(&r).reason, Reason::UnknownHashScheme);
     // An unseen adapter in a known domain is a novel-prefix miss.
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     r.adapter_id = "never-seen";
     let o = f.index.lookup(&r);
     assert_eq!(
@@ -484,10 +480,8 @@ fn timeout_precedence_and_no_credit() {
     f.policy("  eviction: LFU\n  lookupTimeoutMs: 5\n");
     let counts = [64, 64];
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     r.adapter_id = "x";
     r.arrived = Instant::now() - Duration::from_millis(50);
     let o = f.index.lookup(&r);
@@ -561,11 +555,22 @@ fn require_chain_and_chain_matching_gates() {
     let fixed: Vec<[u8; 8]> = (1u64..3).map(u64::to_be_bytes).collect();
     let counts = [64, 64];
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Fixed(&fixed),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&fixed, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     assert_eq!(f.index.lookup(&r).reason, Reason::PolicyRequiresChain);
+    // A wire chain of parallel arrays meets the requirement even when it is
+    // not valid (then NO_HINT); arrays of different lengths do not.
+    let mut bad = LookupRequest::new(T, M, S);
+    bad.adapter_id = "x";
+    bad.chain = ChainInput::Invalid;
+    let o = f.index.lookup(&bad);
+    assert_eq!((o.reason, o.adapter_id.as_str()), (Reason::NoHint, "x"));
+    bad.chain = ChainInput::Mismatched;
+    let o = f.index.lookup(&bad);
+    assert_eq!(
+        (o.reason, o.adapter_id.as_str()),
+        (Reason::PolicyRequiresChain, "")
+    );
     f.policy("");
     assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
     // enableChainMatching=false: chain stripped, exact prefix_hash used.
@@ -578,6 +583,14 @@ fn require_chain_and_chain_matching_gates() {
         (o.reason, o.scores[0].matched_tokens),
         (Reason::PrefixMatch, 128)
     );
+    // So is an invalid wire chain's (a mismatched one is still NO_HINT).
+    bad.adapter_id = "";
+    bad.prefix_hash = &legacy;
+    bad.prefix_token_count = 128;
+    bad.chain = ChainInput::Invalid;
+    assert_eq!(f.index.lookup(&bad).reason, Reason::PrefixMatch);
+    bad.chain = ChainInput::Mismatched;
+    assert_eq!(f.index.lookup(&bad).reason, Reason::NoHint);
     r.prefix_hash = &[];
     assert_eq!(f.index.lookup(&r).reason, Reason::NoHint);
 }
@@ -602,10 +615,8 @@ fn adapter_partitions_and_echo() {
         ("", vec![]),
     ] {
         let mut r = LookupRequest::new(T, M, S);
-        r.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(&blocks),
-            token_counts: &counts,
-        });
+        let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+        r.chain = ChainInput::Derived(&block_chain);
         r.adapter_id = adapter;
         let o = f.index.lookup(&r);
         assert_eq!(o.adapter_id, adapter);
@@ -814,11 +825,11 @@ fn quota_and_cap_hold_at_ingest() {
 fn affinity_test_vectors_modulo_and_rendezvous() {
     let blocks: Vec<Vec<u8>> = vec![h(1), h(2)];
     let counts = [16, 16];
-    let c = Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    };
-    let digest = affinity_digest(Some(c), &[]).expect("seed");
+    let c = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    let digest = affinity_digest(Some(&c), &[]).expect("seed");
+    // The same hashes kept as words seed the same digest.
+    let words = BlockChain::from_words(vec![1u64.to_be_bytes(), 2u64.to_be_bytes()], vec![16; 2]);
+    assert_eq!(affinity_digest(words.ok().as_ref(), &[]), Some(digest));
     // Seed bytes: 00000008 0000000000000001 00000008 0000000000000002.
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(hex, AFFINITY_VECTOR_DIGEST);
@@ -898,10 +909,8 @@ fn fixed_and_byte_chains_are_the_same_keys() {
     let fixed: Vec<[u8; 8]> = (1u64..3).map(u64::to_be_bytes).collect();
     let counts = [64, 64];
     let mut r = LookupRequest::new(T, M, S);
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Fixed(&fixed),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&fixed, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     assert_eq!(f.index.lookup(&r).reason, Reason::PrefixMatch);
 }
 
@@ -997,10 +1006,44 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
     let mut r = LookupRequest::new("tenant-7", M, S);
     let blocks = chain(7..9);
     let counts = [16, 16];
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     let o = f.index.lookup(&r);
     assert_eq!(ids(&o), ["flood-7"]);
+}
+
+#[test]
+fn block_chains_of_any_width_match_like_their_bytes() {
+    let mixed: Vec<Vec<u8>> = vec![h(1), vec![7; 16], h(3)];
+    let c = BlockChain::new(&mixed, vec![64; 3]).expect("a valid chain");
+    let bytes: Vec<&[u8]> = mixed.iter().map(Vec::as_slice).collect();
+    assert_eq!(c.hashes().collect::<Vec<_>>(), bytes);
+    assert_eq!((c.len(), c.tokens()), (3, 192));
+    let mut cut = c.clone();
+    cut.truncate(2);
+    assert_eq!(
+        Ok(cut),
+        BlockChain::new(&mixed[..2], vec![64; 2]),
+        "a cut chain is the chain of the first blocks"
+    );
+    let f = fixture();
+    f.index.ingest(&update(
+        "A",
+        vec![PrefixReport {
+            chain: c.clone(),
+            ..Default::default()
+        }],
+    ));
+    f.hold("B", &chain(50..51));
+    let o = f.lookup_chain(&mixed);
+    assert_eq!(
+        (o.reason, o.scores[0].matched_tokens),
+        (Reason::PrefixMatch, 192)
+    );
+    // An 8-byte hash is the same key in a chain of words and in a wide one.
+    let words = BlockChain::from_words(vec![1u64.to_be_bytes()], vec![64]).expect("a valid chain");
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = ChainInput::Wire(&words);
+    let o = f.index.lookup(&r);
+    assert_eq!((o.reason, ids(&o)), (Reason::PrefixMatch, vec!["A"]));
 }

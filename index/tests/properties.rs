@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use inference_cache_index::{
-    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, Clock, EventKind, LookupRequest,
+    BlockChain, CacheEvent, CacheIndex, CacheUpdate, ChainInput, Clock, EventKind, LookupRequest,
     ManualClock, PolicySet, PrefixReport, Reason, Tier,
 };
 use proptest::prelude::*;
@@ -21,20 +21,24 @@ use proptest::prelude::*;
 const OPEN_POLICY: &str = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
 metadata: {name: open, namespace: \"*\"}\nspec: {minimumMatchedTokens: 0, routingFloorScore: \"0\", affinityRouting: Disabled}\n";
 
-fn build(holdings: &[Vec<bool>], counts: &[i32]) -> (CacheIndex, Vec<Vec<u8>>) {
+fn build(holdings: &[Vec<bool>], counts: &[u32]) -> (CacheIndex, Vec<Vec<u8>>) {
     let index = CacheIndex::new(Arc::new(ManualClock::default()), 1_000_000);
     index.set_policies(PolicySet::from_yaml(OPEN_POLICY).expect("policy"));
     let blocks: Vec<Vec<u8>> = (0..counts.len() as u64)
         .map(|i| (0xABCD_0000 + i).to_be_bytes().to_vec())
         .collect();
     for (r, held) in holdings.iter().enumerate() {
-        let mut prefix = PrefixReport::default();
+        let (mut hashes, mut held_counts) = (Vec::new(), Vec::new());
         for (i, &h) in held.iter().enumerate() {
             if h {
-                prefix.block_hashes.push(blocks[i].clone());
-                prefix.block_token_counts.push(counts[i]);
+                hashes.push(blocks[i].clone());
+                held_counts.push(counts[i]);
             }
         }
+        let prefix = PrefixReport {
+            chain: BlockChain::new(&hashes, held_counts).expect("a valid chain"),
+            ..Default::default()
+        };
         index.ingest(&CacheUpdate {
             replica_id: format!("r{r}"),
             tenant_id: "t".into(),
@@ -51,12 +55,13 @@ proptest! {
     #[test]
     fn chain_lookup_respects_leading_run(
         holdings in prop::collection::vec(prop::collection::vec(any::<bool>(), 12), 1..6),
-        counts in prop::collection::vec(1i32..200, 12),
+        counts in prop::collection::vec(1u32..200, 12),
         asked in 1usize..=12,
     ) {
         let (index, blocks) = build(&holdings, &counts);
         let mut request = LookupRequest::new("t", "m", "vllm");
-        request.chain = Some(Chain { hashes: BlockHashes::Bytes(&blocks[..asked]), token_counts: &counts[..asked] });
+        let chain = BlockChain::new(&blocks[..asked], counts[..asked].to_vec()).expect("a valid chain");
+        request.chain = ChainInput::Wire(&chain);
         let outcome = index.lookup(&request);
         for score in &outcome.scores {
             let r: usize = score.replica_id[1..].parse().expect("replica index");
@@ -64,8 +69,8 @@ proptest! {
             prop_assert!(holdings[r][0], "{} lacks block 0", score.replica_id);
             // matched_tokens is the sum of the counts of the leading run.
             let run = holdings[r][..asked].iter().take_while(|&&h| h).count();
-            let expected: i32 = counts[..run].iter().sum();
-            prop_assert_eq!(score.matched_tokens, expected);
+            let expected: u32 = counts[..run].iter().sum();
+            prop_assert_eq!(i64::from(score.matched_tokens), i64::from(expected));
         }
         let any_block0 = holdings.iter().any(|h| h[0]);
         if outcome.reason == Reason::PrefixMatch {
@@ -182,8 +187,14 @@ affinityRouting: Disabled, evictionTTL: {TTL_SECS}s, replicaTimeout: 1h}}\n"
                     .filter(|b| !sparse || b % 2 == 0)
                     .collect();
                 let prefix = PrefixReport {
-                    block_hashes: blocks.iter().map(|&b| key(family, b)).collect(),
-                    block_token_counts: vec![16; blocks.len()],
+                    chain: BlockChain::new(
+                        &blocks
+                            .iter()
+                            .map(|&b| key(family, b))
+                            .collect::<Vec<Vec<u8>>>(),
+                        vec![16; blocks.len()],
+                    )
+                    .expect("a valid chain"),
                     tier: Tier::from_i32(tier),
                     ..Default::default()
                 };
@@ -241,10 +252,8 @@ affinityRouting: Disabled, evictionTTL: {TTL_SECS}s, replicaTimeout: 1h}}\n"
                 let blocks: Vec<Vec<u8>> = (0..len).map(|b| key(family, b)).collect();
                 let counts = vec![16; blocks.len()];
                 let mut request = LookupRequest::new("t", "m", "vllm");
-                request.chain = Some(Chain {
-                    hashes: BlockHashes::Bytes(&blocks),
-                    token_counts: &counts,
-                });
+                let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+                request.chain = ChainInput::Derived(&block_chain);
                 let outcome = index.lookup(&request);
                 // Per replica: matched tokens, coldest tier and the oldest
                 // last-seen second of the leading run (weakest link), which

@@ -10,8 +10,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use inference_cache_index::{
-    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, EventKind, LookupRequest, PolicySet,
-    PrefixReport, Reason, ReplicaStatsReport, SystemClock,
+    BlockChain, CacheEvent, CacheIndex, CacheUpdate, ChainInput, EventKind, LookupRequest,
+    PolicySet, PrefixReport, Reason, ReplicaStatsReport, SystemClock,
 };
 
 const REPLICAS: u64 = 6;
@@ -95,10 +95,9 @@ fn round(seed: u64, threads: usize) -> u64 {
                         let len = 1 + next() % CHAIN;
                         let hashes = chain(family, len);
                         let mut req = LookupRequest::new("t", "m", "vllm");
-                        req.chain = Some(Chain {
-                            hashes: BlockHashes::Bytes(&hashes),
-                            token_counts: &counts[..len as usize],
-                        });
+                        let block_chain = BlockChain::new(&hashes, counts[..len as usize].to_vec())
+                            .expect("a valid chain");
+                        req.chain = ChainInput::Derived(&block_chain);
                         let out = index.lookup(&req);
                         for (i, s) in out.scores.iter().enumerate() {
                             let known = (0..REPLICAS).any(|r| *s.replica_id == replica(r));
@@ -129,8 +128,8 @@ fn round(seed: u64, threads: usize) -> u64 {
                         index.ingest(&update(
                             r,
                             vec![PrefixReport {
-                                block_hashes: chain(family, len),
-                                block_token_counts: vec![16; len as usize],
+                                chain: BlockChain::new(&chain(family, len), vec![16; len as usize])
+                                    .expect("a valid chain"),
                                 ..Default::default()
                             }],
                             Some(stats),
@@ -205,10 +204,8 @@ fn quiescent_check(index: &CacheIndex) {
             .collect();
         expected.sort();
         let mut req = LookupRequest::new("t", "m", "vllm");
-        req.chain = Some(Chain {
-            hashes: BlockHashes::Bytes(&hashes),
-            token_counts: &counts,
-        });
+        let block_chain = BlockChain::new(&hashes, counts.to_vec()).expect("a valid chain");
+        req.chain = ChainInput::Derived(&block_chain);
         let out = index.lookup(&req);
         let mut got: Vec<(String, i32)> = if out.reason == Reason::PrefixMatch {
             out.scores
@@ -261,8 +258,7 @@ fn writers_are_not_starved_by_lookups_back_to_back() {
             index.ingest(&update(
                 r,
                 vec![PrefixReport {
-                    block_hashes: blocks.clone(),
-                    block_token_counts: vec![16; blocks.len()],
+                    chain: BlockChain::new(&blocks, vec![16; blocks.len()]).expect("a valid chain"),
                     ..Default::default()
                 }],
                 None,
@@ -282,10 +278,9 @@ fn writers_are_not_starved_by_lookups_back_to_back() {
                     let counts = vec![16; blocks.len()];
                     while !stop.load(Ordering::Relaxed) {
                         let mut req = LookupRequest::new("t", "m", "vllm");
-                        req.chain = Some(Chain {
-                            hashes: BlockHashes::Bytes(&blocks),
-                            token_counts: &counts,
-                        });
+                        let block_chain =
+                            BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+                        req.chain = ChainInput::Derived(&block_chain);
                         let outcome = index.lookup(&req);
                         // Every replica holds the chain: a hint, never nothing.
                         assert!(
@@ -311,8 +306,7 @@ fn writers_are_not_starved_by_lookups_back_to_back() {
             let mut u = update(
                 100 + i,
                 vec![PrefixReport {
-                    block_hashes: chain(2, 4),
-                    block_token_counts: vec![16; 4],
+                    chain: BlockChain::new(&chain(2, 4), vec![16; 4]).expect("a valid chain"),
                     ..Default::default()
                 }],
                 None,
@@ -327,8 +321,7 @@ fn writers_are_not_starved_by_lookups_back_to_back() {
             index.ingest(&update(
                 REPLICAS,
                 vec![PrefixReport {
-                    block_hashes: chain(3, 4),
-                    block_token_counts: vec![16; 4],
+                    chain: BlockChain::new(&chain(3, 4), vec![16; 4]).expect("a valid chain"),
                     ..Default::default()
                 }],
                 None,

@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use inference_cache_index::{
-    BlockHashes, CacheEvent, CacheIndex, CacheUpdate, Chain, LookupRequest, ManualClock, PolicySet,
+    BlockChain, CacheEvent, CacheIndex, CacheUpdate, ChainInput, LookupRequest, ManualClock,
+    PolicySet,
 };
 
 use crate::error::ReplayError;
@@ -79,12 +80,16 @@ impl Backend for InProcess {
         token_counts: &[i32],
     ) -> Result<(Answer, u64), ReplayError> {
         let mut request = LookupRequest::new(TENANT, MODEL, HASH_SCHEME);
+        let counts = token_counts
+            .iter()
+            .map(|&n| u32::try_from(n).unwrap_or(0))
+            .collect();
+        let chain = BlockChain::new(hashes, counts);
         if !hashes.is_empty() {
-            request.chain = Some(Chain {
-                hashes: BlockHashes::Bytes(hashes),
-                token_counts,
-            });
-            request.wire_chain = true;
+            request.chain = match &chain {
+                Ok(chain) => ChainInput::Wire(chain),
+                Err(_) => ChainInput::Invalid,
+            };
         }
         let outcome = self.index.lookup(&request);
         let matched = outcome

@@ -97,9 +97,14 @@ fn wire_update(update: CacheUpdate) -> wire::CacheStateUpdate {
             .into_iter()
             .map(|p| wire::PrefixEntry {
                 prefix_hash: p.prefix_hash,
-                token_count: p.token_count,
-                block_hashes: p.block_hashes,
-                block_token_counts: p.block_token_counts,
+                token_count: i32::try_from(p.token_count).unwrap_or(i32::MAX),
+                block_hashes: p.chain.hashes().map(<[u8]>::to_vec).collect(),
+                block_token_counts: p
+                    .chain
+                    .token_counts()
+                    .iter()
+                    .map(|&n| i32::try_from(n).unwrap_or(i32::MAX))
+                    .collect(),
                 tier: p.tier as i32,
                 adapter_id: p.adapter_id,
             })

@@ -8,7 +8,7 @@
 //!   `ReplicaStats` (`requests_waiting`, `requests_running`,
 //!   `kv_cache_usage`, `pressure`, `hit_rate`);
 //! - when a replica admits a request, the blocks it newly stored are ingested
-//!   as one chain (`PrefixReport { block_hashes, block_token_counts }`,
+//!   as one chain (`PrefixReport { chain }`,
 //!   hash ids as 8-byte big-endian values) and every block it evicted is
 //!   published as `PREFIX_EVICTED`. With [`ReportAt::Routing`] the index
 //!   learns of them at once (the moment the replica's cache changes in the
@@ -32,7 +32,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 use hashbrown::{HashMap, HashSet};
 
-use inference_cache_index::{CacheEvent, CacheUpdate, EventKind, PrefixReport, ReplicaStatsReport};
+use inference_cache_index::{
+    BlockChain, CacheEvent, CacheUpdate, EventKind, PrefixReport, ReplicaStatsReport,
+};
 
 use crate::error::ReplayError;
 use crate::policy::{RoundRobin, RouteContext, Router};
@@ -169,7 +171,7 @@ impl<B: Backend> IndexRouter<B> {
                 .flat_map(|u| {
                     u.prefixes
                         .iter()
-                        .flat_map(|p| p.block_hashes.iter().cloned())
+                        .flat_map(|p| p.chain.hashes().map(<[u8]>::to_vec))
                 })
                 .collect();
             let blocks: Vec<u64> = replica
@@ -185,11 +187,7 @@ impl<B: Backend> IndexRouter<B> {
                     .map(|h| self.block_tokens.get(h).copied().unwrap_or(0))
                     .collect();
                 let update = CacheUpdate {
-                    prefixes: vec![PrefixReport {
-                        block_hashes: hashes,
-                        block_token_counts: counts,
-                        ..Default::default()
-                    }],
+                    prefixes: vec![chain_report(&hashes, counts)],
                     ..self.update(i)
                 };
                 self.backend.ingest(update)?;
@@ -252,6 +250,19 @@ impl<B: Backend> IndexRouter<B> {
             self.backend.ingest(update)?;
         }
         Ok(())
+    }
+}
+
+/// One reported chain: the hashes and their token counts (the replay's
+/// chains are always parallel and never hold an empty hash).
+fn chain_report(hashes: &[Vec<u8>], counts: Vec<i32>) -> PrefixReport {
+    let counts = counts
+        .into_iter()
+        .map(|n| u32::try_from(n).unwrap_or(0))
+        .collect();
+    PrefixReport {
+        chain: BlockChain::new(hashes, counts).unwrap_or_default(),
+        ..Default::default()
     }
 }
 
@@ -343,11 +354,7 @@ impl<B: Backend> Router for IndexRouter<B> {
                 })
                 .collect();
             CacheUpdate {
-                prefixes: vec![PrefixReport {
-                    block_hashes: chain,
-                    block_token_counts: counts,
-                    ..Default::default()
-                }],
+                prefixes: vec![chain_report(&chain, counts)],
                 ..self.update(replica)
             }
         });

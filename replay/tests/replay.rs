@@ -451,8 +451,8 @@ impl Backend for Recording {
             self.stats += 1;
         }
         for p in &update.prefixes {
-            assert!(p.block_hashes.iter().all(|h| h.len() == 8));
-            self.stored.push((self.now_ms, p.block_hashes.len()));
+            assert!(p.chain.hashes().all(|h| h.len() == 8));
+            self.stored.push((self.now_ms, p.chain.len()));
         }
         Ok(())
     }

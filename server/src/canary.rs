@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use inference_cache_fingerprint::request_chain;
 use inference_cache_index::{
-    BlockHashes, CacheIndex, CachePolicy, CacheUpdate, Chain, LookupRequest, PROBE_TENANT,
-    PolicySet, PrefixReport, Ranker, Reason, SystemClock,
+    CacheIndex, CachePolicy, CacheUpdate, ChainInput, LookupRequest, PROBE_TENANT, PolicySet,
+    PrefixReport, Ranker, Reason, SystemClock,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -101,13 +101,12 @@ pub fn check_fingerprint() -> Result<(), String> {
 /// Leg 2: `tokens`' chain, ingested for the canary replica in a private
 /// index, is found again whole by a lookup of the same chain.
 pub fn check_index(tokens: &[u32], block_size: usize, model: &str) -> Result<(), String> {
-    let chain = request_chain(tokens, block_size);
-    if chain.block_hashes.is_empty() {
+    let Some(chain) = crate::grpc::derived_chain(&request_chain(tokens, block_size)) else {
         return Err(format!(
             "index: {} tokens fill no block of {block_size}",
             tokens.len()
         ));
-    }
+    };
     let index = CacheIndex::new(Arc::new(SystemClock), 1 << 16);
     index.set_policies(PolicySet::with_default(CachePolicy {
         ranker: Ranker::Contract,
@@ -124,20 +123,16 @@ pub fn check_index(tokens: &[u32], block_size: usize, model: &str) -> Result<(),
         model_id: model.into(),
         hash_scheme: CANARY_SCHEME.into(),
         prefixes: vec![PrefixReport {
-            block_hashes: chain.block_hashes.iter().map(|h| h.to_vec()).collect(),
-            block_token_counts: chain.block_token_counts.clone(),
+            chain: chain.clone(),
             ..PrefixReport::default()
         }],
         ..CacheUpdate::default()
     });
     let mut request = LookupRequest::new(&tenant, model, CANARY_SCHEME);
-    request.chain = Some(Chain {
-        hashes: BlockHashes::Fixed(&chain.block_hashes),
-        token_counts: &chain.block_token_counts,
-    });
+    request.chain = ChainInput::Derived(&chain);
     request.arrived = Instant::now();
     let outcome = index.lookup(&request);
-    let expected: i64 = chain.block_token_counts.iter().map(|&n| i64::from(n)).sum();
+    let expected = i64::try_from(chain.tokens()).unwrap_or(i64::MAX);
     let top = outcome.scores.first();
     let agrees = outcome.reason == Reason::PrefixMatch
         && top.is_some_and(|score| {
@@ -146,7 +141,7 @@ pub fn check_index(tokens: &[u32], block_size: usize, model: &str) -> Result<(),
     if !agrees {
         return Err(format!(
             "index: a {}-block chain ingested for one replica looked up as {} with {:?} matched tokens (expected PREFIX_MATCH with {expected})",
-            chain.block_hashes.len(),
+            chain.len(),
             outcome.reason.as_str(),
             top.map(|score| score.matched_tokens),
         ));
@@ -301,8 +296,7 @@ mod tests {
                 model_id: model.into(),
                 hash_scheme: "vllm".into(),
                 prefixes: vec![PrefixReport {
-                    block_hashes: chain.block_hashes.iter().map(|h| h.to_vec()).collect(),
-                    block_token_counts: chain.block_token_counts,
+                    chain: crate::grpc::derived_chain(&chain).expect("two blocks"),
                     ..PrefixReport::default()
                 }],
                 ..CacheUpdate::default()

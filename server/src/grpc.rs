@@ -16,7 +16,13 @@
 //!
 //! Every wire input is bounded here, once, before it reaches the index
 //! (see [`crate::limits`]), and callers are authenticated and scoped to their
-//! tenants here (see [`crate::auth`]).
+//! tenants here (see [`crate::auth`]). The wire's `int32` token counts and
+//! byte-string hashes are checked here too, once, after the bounds
+//! ([`block_chain`], [`exact_token_count`]): the index takes typed chains
+//! (`index::BlockChain`), an update carries the reasons of the entries
+//! refused here ([`cache_update`]) and a lookup says which kind of chain it
+//! has (`index::ChainInput`), so drops and answers are what they were when
+//! the index checked the wire itself.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -326,7 +332,7 @@ impl InferenceCache for CacheService {
             tenant_id: &request.tenant_id,
             model_id: &request.model_id,
             prefix_hash: &request.prefix_hash,
-            prefix_token_count: request.prefix_token_count,
+            prefix_token_count: exact_token_count(request.prefix_token_count),
             topology: &request.pd_topology_ref,
             arrived: started,
             deadline,
@@ -518,9 +524,9 @@ impl InferenceCache for CacheService {
                     update.replica_id, update.tenant_id
                 )));
             }
-            let mut update = cache_update(update);
+            let mut update = update;
             crate::limits::bound_update(&self.limits, &self.metrics, &mut update);
-            self.index.ingest(&update);
+            self.index.ingest(&cache_update(update));
         }
         Ok(Response::new(Ack {
             accepted: true,
@@ -616,7 +622,8 @@ const UNKNOWN_EVENT_TYPE: &str = "UNKNOWN_EVENT_TYPE";
 /// Which prompt input a LookupRoute uses, by the contract's precedence.
 #[derive(Debug, PartialEq)]
 pub(crate) enum ResolvedInput {
-    /// A wire `block_hashes` chain (valid: parallel arrays of equal, non-zero length).
+    /// A wire `block_hashes` chain of parallel arrays (of equal, non-zero
+    /// length; its counts and hashes are checked when it is converted).
     WireChain,
     /// A wire chain whose arrays disagree in length: malformed, NO_HINT.
     MalformedChain,
@@ -678,28 +685,30 @@ fn lookup(
     query.slo_ttft_ms = request.slo.as_ref().map_or(0, |s| s.ttft_ms);
     query.arrived = arrived;
     query.deadline = deadline;
-    match input {
+    let chain = match input {
         ResolvedInput::WireChain => {
-            query.chain = Some(index::Chain {
-                hashes: index::BlockHashes::Bytes(&request.block_hashes),
-                token_counts: &request.block_token_counts,
-            });
-            query.wire_chain = true;
+            block_chain(&request.block_hashes, &request.block_token_counts).ok()
+        }
+        ResolvedInput::Tokens(chain) => derived_chain(chain),
+        _ => None,
+    };
+    match (input, &chain) {
+        (ResolvedInput::WireChain, wire) => {
+            query.chain = wire
+                .as_ref()
+                .map_or(index::ChainInput::Invalid, index::ChainInput::Wire);
             query.prefix_hash = &request.prefix_hash;
-            query.prefix_token_count = request.prefix_token_count;
+            query.prefix_token_count = exact_token_count(request.prefix_token_count);
         }
-        ResolvedInput::MalformedChain => query.chain_malformed = true,
-        ResolvedInput::ExactHash => {
+        (ResolvedInput::MalformedChain, _) => query.chain = index::ChainInput::Mismatched,
+        (ResolvedInput::ExactHash, _) => {
             query.prefix_hash = &request.prefix_hash;
-            query.prefix_token_count = request.prefix_token_count;
+            query.prefix_token_count = exact_token_count(request.prefix_token_count);
         }
-        ResolvedInput::Tokens(chain) => {
-            query.chain = Some(index::Chain {
-                hashes: index::BlockHashes::Fixed(&chain.block_hashes),
-                token_counts: &chain.block_token_counts,
-            });
+        (ResolvedInput::Tokens(_), Some(derived)) => {
+            query.chain = index::ChainInput::Derived(derived);
         }
-        ResolvedInput::NeedsTokenizer | ResolvedInput::Nothing => {}
+        (ResolvedInput::Tokens(_) | ResolvedInput::NeedsTokenizer | ResolvedInput::Nothing, _) => {}
     }
     let mut outcome = state.index.lookup(&query);
     if *input == ResolvedInput::NeedsTokenizer && outcome.reason == index::Reason::NoHint {
@@ -739,27 +748,73 @@ fn replica_score(s: index::ReplicaScore) -> ReplicaScore {
     }
 }
 
-/// A `ReportCacheState` message as the index's plain update (no limits
-/// applied: see [`crate::limits::bound_update`]).
+/// A wire chain (`block_hashes` and the parallel `block_token_counts`) as
+/// the index's: [`index::DropReason::MalformedChain`] for a negative count
+/// or arrays of different lengths, else [`index::DropReason::EmptyHash`] for
+/// an empty hash. The one check of a wire chain, for ingest and lookups alike.
+pub fn block_chain(
+    hashes: &[Vec<u8>],
+    token_counts: &[i32],
+) -> Result<index::BlockChain, index::DropReason> {
+    let counts = token_counts
+        .iter()
+        .map(|&n| u32::try_from(n))
+        .collect::<Result<Vec<u32>, _>>()
+        .map_err(|_| index::DropReason::MalformedChain)?;
+    index::BlockChain::new(hashes, counts)
+}
+
+/// The chain the server fingerprinted from token ids (`None` when the ids
+/// fill no block).
+pub fn derived_chain(
+    chain: &inference_cache_fingerprint::RequestChain,
+) -> Option<index::BlockChain> {
+    let counts = chain
+        .block_token_counts
+        .iter()
+        .map(|&n| u32::try_from(n).unwrap_or(0))
+        .collect();
+    index::BlockChain::from_words(chain.block_hashes.clone(), counts)
+        .ok()
+        .filter(|c| !c.is_empty())
+}
+
+/// A wire exact-key token count: a negative one counts as none (0).
+pub fn exact_token_count(count: i32) -> u32 {
+    u32::try_from(count).unwrap_or(0)
+}
+
+/// A `ReportCacheState` message as the index's typed update (no limits
+/// applied: see [`crate::limits::bound_update`]). Each entry's chain is
+/// checked here ([`block_chain`]); an entry it refuses is not passed on, only
+/// its reason ([`index::CacheUpdate::rejected`]), which ingest counts as
+/// dropped as if it had checked the entry itself.
 pub fn cache_update(update: CacheStateUpdate) -> index::CacheUpdate {
+    let mut rejected = Vec::new();
+    let prefixes = update
+        .prefixes
+        .into_iter()
+        .filter_map(|p| {
+            let chain = block_chain(&p.block_hashes, &p.block_token_counts)
+                .map_err(|reason| rejected.push(reason))
+                .ok()?;
+            Some(index::PrefixReport {
+                prefix_hash: p.prefix_hash,
+                token_count: exact_token_count(p.token_count),
+                chain,
+                tier: index::Tier::from_i32(p.tier),
+                adapter_id: p.adapter_id,
+            })
+        })
+        .collect();
     index::CacheUpdate {
         replica_id: update.replica_id,
         model_id: update.model_id,
         tenant_id: update.tenant_id,
         hash_scheme: update.hash_scheme,
         adapter_id: update.adapter_id,
-        prefixes: update
-            .prefixes
-            .into_iter()
-            .map(|p| index::PrefixReport {
-                prefix_hash: p.prefix_hash,
-                token_count: p.token_count,
-                block_hashes: p.block_hashes,
-                block_token_counts: p.block_token_counts,
-                tier: index::Tier::from_i32(p.tier),
-                adapter_id: p.adapter_id,
-            })
-            .collect(),
+        prefixes,
+        rejected,
         stats: update.stats.map(|s| index::ReplicaStatsReport {
             replica_id: s.replica_id,
             cache_memory_bytes: s.cache_memory_bytes,
@@ -821,6 +876,48 @@ mod tests {
         assert_eq!(
             resolve_input(&LookupRouteRequest::default(), 16),
             ResolvedInput::Nothing
+        );
+    }
+
+    #[test]
+    fn cache_update_checks_each_chain_once() {
+        use index::DropReason::{EmptyHash, MalformedChain};
+        use inference_cache_proto::v1alpha1::PrefixEntry;
+        let entry = |hashes: Vec<Vec<u8>>, counts: Vec<i32>| PrefixEntry {
+            block_hashes: hashes,
+            block_token_counts: counts,
+            ..Default::default()
+        };
+        let update = cache_update(CacheStateUpdate {
+            prefixes: vec![
+                entry(vec![vec![1; 8]], vec![-1]),
+                entry(vec![vec![1; 8]; 2], vec![16]),
+                entry(vec![vec![1; 8], Vec::new()], vec![16, 16]),
+                entry(vec![vec![1; 8], vec![2; 16]], vec![16, 16]),
+                PrefixEntry {
+                    prefix_hash: vec![3; 8],
+                    token_count: -5,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        });
+        assert_eq!(update.rejected, [MalformedChain, MalformedChain, EmptyHash]);
+        assert_eq!(update.prefixes.len(), 2);
+        let hashes: Vec<&[u8]> = update.prefixes[0].chain.hashes().collect();
+        assert_eq!(hashes, [&[1u8; 8][..], &[2; 16][..]]);
+        assert_eq!(update.prefixes[0].chain.token_counts(), [16, 16]);
+        // A negative exact-key count reads as none, as it always did.
+        assert_eq!(
+            (
+                update.prefixes[1].token_count,
+                update.prefixes[1].chain.len()
+            ),
+            (0, 0)
+        );
+        assert_eq!(
+            block_chain(&[vec![1; 8]], &[16]).map(|c| c.tokens()),
+            Ok(16)
         );
     }
 

@@ -249,7 +249,7 @@ impl StatsCheck {
 }
 
 /// Checks the fractions and counters of a stats report, clamping fractions above 1.
-pub fn check_stats(stats: &mut inference_cache_index::ReplicaStatsReport) -> StatsCheck {
+pub fn check_stats(stats: &mut inference_cache_proto::v1alpha1::ReplicaStats) -> StatsCheck {
     let fractions = [stats.hit_rate, stats.pressure, stats.kv_cache_usage];
     if fractions.iter().any(|f| !f.is_finite()) {
         return StatsCheck::NotFinite;
@@ -309,11 +309,12 @@ pub fn bound_lookup(
 
 /// Applies the ingest limits to an update in place, counting what they drop:
 /// entries with a too-wide hash or a too-long chain, and entries past the
-/// per-update cap; stats with invalid values.
+/// per-update cap; stats with invalid values. Runs on the wire message,
+/// before its entries' chains are checked (`grpc::cache_update`).
 pub fn bound_update(
     limits: &Limits,
     metrics: &Metrics,
-    update: &mut inference_cache_index::CacheUpdate,
+    update: &mut inference_cache_proto::v1alpha1::CacheStateUpdate,
 ) {
     let width = limits.hash_width(&update.hash_scheme);
     let mut budget = limits.max_update_entries;
@@ -383,7 +384,10 @@ pub fn prompt_bytes(request: &inference_cache_proto::v1alpha1::LookupRouteReques
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inference_cache_index::{CacheUpdate, PrefixReport, ReplicaStatsReport};
+    use inference_cache_proto::v1alpha1::{
+        CacheStateUpdate as CacheUpdate, PrefixEntry as PrefixReport,
+        ReplicaStats as ReplicaStatsReport,
+    };
 
     #[test]
     fn prompt_bytes_follow_the_input_precedence() {

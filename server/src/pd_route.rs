@@ -188,8 +188,8 @@ pub struct PdQuery<'a> {
     pub model_id: &'a str,
     /// prefix_hash (exact key).
     pub prefix_hash: &'a [u8],
-    /// prefix_token_count.
-    pub prefix_token_count: i32,
+    /// prefix_token_count (a negative wire count reads as 0).
+    pub prefix_token_count: u32,
     /// pd_topology_ref.
     pub topology: &'a str,
     /// Arrival (start of the tenant's lookupTimeoutMs).

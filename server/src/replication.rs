@@ -554,11 +554,22 @@ fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
         if !p.prefix_hash.is_empty() {
             pb_bytes::encode(1, &p.prefix_hash, &mut buf);
         }
-        if p.token_count != 0 {
-            int32::encode(2, &p.token_count, &mut buf);
+        let token_count = wire_count(p.token_count);
+        if token_count != 0 {
+            int32::encode(2, &token_count, &mut buf);
         }
-        pb_bytes::encode_repeated(3, &p.block_hashes, &mut buf);
-        int32::encode_packed(4, &p.block_token_counts, &mut buf);
+        for hash in p.chain.hashes() {
+            encode_key(3, WireType::LengthDelimited, &mut buf);
+            encode_varint(hash.len() as u64, &mut buf);
+            buf.extend_from_slice(hash);
+        }
+        if !p.chain.is_empty() {
+            encode_key(4, WireType::LengthDelimited, &mut buf);
+            encode_varint(counts_len(&p.chain) as u64, &mut buf);
+            for &n in p.chain.token_counts() {
+                encode_varint(u64::from(wire_count(n).unsigned_abs()), &mut buf);
+            }
+        }
         let tier = p.tier as i32;
         if tier != 0 {
             int32::encode(5, &tier, &mut buf);
@@ -572,19 +583,46 @@ fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
     buf
 }
 
+/// A token count as the wire's `int32` (the index's counts came from it).
+fn wire_count(n: u32) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// Encoded size of a chain's packed token counts (without tag and length).
+fn counts_len(chain: &index::BlockChain) -> usize {
+    chain
+        .token_counts()
+        .iter()
+        .map(|&n| encoded_len_varint(u64::from(wire_count(n).unsigned_abs())))
+        .sum()
+}
+
+/// Encoded size of a chain's `block_hashes` and `block_token_counts`.
+fn chain_len(chain: &index::BlockChain) -> usize {
+    let hashes: usize = chain
+        .hashes()
+        .map(|h| key_len(3) + encoded_len_varint(h.len() as u64) + h.len())
+        .sum();
+    if chain.is_empty() {
+        return hashes;
+    }
+    let counts = counts_len(chain);
+    hashes + key_len(4) + encoded_len_varint(counts as u64) + counts
+}
+
 /// Encoded size of a `PrefixEntry` (without its tag and length).
 fn prefix_len(p: &index::PrefixReport) -> usize {
     let tier = p.tier as i32;
+    let token_count = wire_count(p.token_count);
     (if p.prefix_hash.is_empty() {
         0
     } else {
         pb_bytes::encoded_len(1, &p.prefix_hash)
-    }) + (if p.token_count == 0 {
+    }) + (if token_count == 0 {
         0
     } else {
-        int32::encoded_len(2, &p.token_count)
-    }) + pb_bytes::encoded_len_repeated(3, &p.block_hashes)
-        + int32::encoded_len_packed(4, &p.block_token_counts)
+        int32::encoded_len(2, &token_count)
+    }) + chain_len(&p.chain)
         + (if tier == 0 {
             0
         } else {
@@ -627,9 +665,14 @@ fn wire_update(update: &index::CacheUpdate) -> CacheStateUpdate {
             .iter()
             .map(|p| PrefixEntry {
                 prefix_hash: p.prefix_hash.clone(),
-                token_count: p.token_count,
-                block_hashes: p.block_hashes.clone(),
-                block_token_counts: p.block_token_counts.clone(),
+                token_count: wire_count(p.token_count),
+                block_hashes: p.chain.hashes().map(<[u8]>::to_vec).collect(),
+                block_token_counts: p
+                    .chain
+                    .token_counts()
+                    .iter()
+                    .map(|&n| wire_count(n))
+                    .collect(),
                 tier: p.tier as i32,
                 adapter_id: p.adapter_id.clone(),
             })
@@ -1185,11 +1228,12 @@ mod tests {
             prefixes: vec![index::PrefixReport {
                 prefix_hash: vec![1; 8],
                 token_count: 32,
-                block_hashes: vec![vec![2; 8], vec![3; 8]],
-                block_token_counts: vec![16, 16],
+                chain: index::BlockChain::new(&[vec![2; 8], vec![3; 8]], vec![16, 16])
+                    .expect("a valid chain"),
                 tier: index::Tier::T2,
                 adapter_id: "a".into(),
             }],
+            rejected: Vec::new(),
             stats: Some(index::ReplicaStatsReport {
                 replica_id: "r".into(),
                 pressure: 0.5,
@@ -1259,16 +1303,26 @@ mod tests {
                 index::PrefixReport {
                     prefix_hash: vec![1; 8],
                     token_count: 32,
-                    block_hashes: vec![vec![2; 8], vec![3; 8], Vec::new()],
-                    block_token_counts: vec![16, -16, 0],
+                    chain: index::BlockChain::new(
+                        &[vec![2; 8], vec![3; 8], vec![5]],
+                        vec![16, 1 << 31, 0],
+                    )
+                    .expect("a valid chain"),
                     tier: index::Tier::T2,
                     adapter_id: "a".into(),
                 },
                 index::PrefixReport {
-                    block_hashes: vec![vec![4; 300]],
+                    chain: index::BlockChain::new(&[vec![4; 300]], vec![300])
+                        .expect("a valid chain"),
+                    ..Default::default()
+                },
+                index::PrefixReport {
+                    prefix_hash: vec![6; 8],
+                    token_count: u32::MAX,
                     ..Default::default()
                 },
             ],
+            rejected: Vec::new(),
             stats: Some(index::ReplicaStatsReport {
                 replica_id: "r".into(),
                 pressure: 0.5,

@@ -177,7 +177,11 @@ impl Streams {
         }
         for p in &update.prefixes {
             let hash = if p.prefix_hash.is_empty() {
-                p.block_hashes.last().cloned().unwrap_or_default()
+                p.chain
+                    .hashes()
+                    .last()
+                    .map(<[u8]>::to_vec)
+                    .unwrap_or_default()
             } else {
                 p.prefix_hash.clone()
             };
@@ -502,11 +506,15 @@ mod tests {
             adapter_id: "base".into(),
             prefixes: (0..prefixes)
                 .map(|i| index::PrefixReport {
-                    block_hashes: vec![vec![1; 8], vec![u8::try_from(i).unwrap_or(0); 8]],
-                    block_token_counts: vec![16, 16],
+                    chain: index::BlockChain::new(
+                        &[vec![1; 8], vec![u8::try_from(i).unwrap_or(0); 8]],
+                        vec![16, 16],
+                    )
+                    .expect("a valid chain"),
                     ..Default::default()
                 })
                 .collect(),
+            rejected: Vec::new(),
             stats: None,
         }
     }

@@ -9,7 +9,7 @@
 #![allow(dead_code)]
 
 use inference_cache_fingerprint::{content_hash, encode, prefix_hashes};
-use inference_cache_index::{CacheUpdate, PrefixReport};
+use inference_cache_index::{BlockChain, CacheUpdate, PrefixReport};
 
 /// Replicas in the workload.
 pub const REPLICAS: usize = 8;
@@ -52,6 +52,8 @@ fn chains_for(entries: usize, holders: usize) -> usize {
 pub struct Workload {
     /// Wire hashes of each chain.
     pub chains: Vec<Vec<Vec<u8>>>,
+    /// Each chain as the server hands it to the index.
+    pub block_chains: Vec<BlockChain>,
     /// Prefix hashes of each chain as `u64`.
     pub prefixes: Vec<Vec<u64>>,
     /// Per-block content hashes of each chain.
@@ -64,7 +66,7 @@ impl Workload {
     /// Enough chains for at least `entries` distinct block-replica entries.
     pub fn new(entries: usize, holders: usize) -> Self {
         let n = chains_for(entries, holders);
-        let mut chains = Vec::with_capacity(n);
+        let mut chains: Vec<Vec<Vec<u8>>> = Vec::with_capacity(n);
         let mut prefixes = Vec::with_capacity(n);
         let mut contents = Vec::with_capacity(n);
         for c in 0..n {
@@ -81,8 +83,13 @@ impl Workload {
             prefixes.push(hashes);
             contents.push(tokens.chunks_exact(BLOCK).map(content_hash).collect());
         }
+        let block_chains = chains
+            .iter()
+            .map(|c: &Vec<Vec<u8>>| block_chain(c))
+            .collect();
         Self {
             chains,
+            block_chains,
             prefixes,
             contents,
             holders,
@@ -106,6 +113,11 @@ impl Workload {
     }
 }
 
+/// A chain of wire hashes with [`BLOCK`] tokens in each block.
+pub fn block_chain(chain: &[Vec<u8>]) -> BlockChain {
+    BlockChain::new(chain, vec![BLOCK as u32; chain.len()]).expect("a valid chain")
+}
+
 /// The update of replica `r` holding `chain`.
 pub fn update(r: usize, chain: &[Vec<u8>]) -> CacheUpdate {
     CacheUpdate {
@@ -114,8 +126,7 @@ pub fn update(r: usize, chain: &[Vec<u8>]) -> CacheUpdate {
         model_id: "model".into(),
         hash_scheme: "vllm".into(),
         prefixes: vec![PrefixReport {
-            block_hashes: chain.to_vec(),
-            block_token_counts: vec![BLOCK as i32; chain.len()],
+            chain: block_chain(chain),
             ..Default::default()
         }],
         ..Default::default()

@@ -269,10 +269,8 @@ fn cost_aware_keeps_reason_codes_honest() {
     let mut r = LookupRequest::new("other", M, S);
     let blocks = chain(1..3);
     let counts = [64, 64];
-    r.chain = Some(Chain {
-        hashes: BlockHashes::Bytes(&blocks),
-        token_counts: &counts,
-    });
+    let block_chain = BlockChain::new(&blocks, counts.to_vec()).expect("a valid chain");
+    r.chain = ChainInput::Derived(&block_chain);
     assert_eq!(f.index.lookup(&r).reason, Reason::UnknownTenant);
 }
 
