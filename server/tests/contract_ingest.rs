@@ -45,6 +45,69 @@ async fn malformed_and_empty_scheme_entries_are_dropped_and_counted() {
     h.stop().await;
 }
 
+/// The wire's counts and hashes are checked when the server converts an
+/// entry: a negative count, a length mismatch or an empty hash is dropped
+/// with the same reason as ever, and the checks of the whole update (the
+/// probe tenant, an empty hash scheme) still come first.
+#[tokio::test]
+async fn chain_entries_are_checked_at_the_edge() {
+    let mut h = Harness::start(&policy_doc("*", OPEN)).await;
+    let negative = PrefixEntry {
+        block_hashes: chain(1..3),
+        block_token_counts: vec![64, -64],
+        ..Default::default()
+    };
+    let mismatched = PrefixEntry {
+        block_hashes: chain(1..3),
+        block_token_counts: vec![64, 64, 64],
+        ..Default::default()
+    };
+    let empty_hash = PrefixEntry {
+        block_hashes: vec![hash_of(1), Vec::new()],
+        block_token_counts: vec![64, 64],
+        ..Default::default()
+    };
+    let entries = vec![
+        negative,
+        mismatched,
+        empty_hash,
+        PrefixEntry::default(),
+        exact_entry(6, 64),
+    ];
+    let mut probe = update("A", entries.clone());
+    probe.tenant_id = inference_cache_proto::PROBE_TENANT.into();
+    let mut no_scheme = update("A", entries.clone());
+    no_scheme.hash_scheme.clear();
+    h.report(vec![update("A", entries), probe, no_scheme]).await;
+    assert_ne!(
+        h.lookup(exact_lookup(6, 64)).await.reason_code,
+        "NO_HINT",
+        "the valid entry is ingested"
+    );
+    assert_eq!(
+        h.lookup(chain_lookup(&chain(1..2))).await.reason_code,
+        "NO_HINT",
+        "no block of a refused chain is ingested"
+    );
+    for (reason, n) in [
+        ("malformed_chain", 2.0),
+        ("empty_hash", 2.0),
+        ("probe_tenant", 5.0),
+        ("empty_hash_scheme", 5.0),
+    ] {
+        assert_eq!(
+            h.metric(&format!(
+                "inferencecache_ingest_dropped_total{{reason=\"{reason}\"}}"
+            ))
+            .await,
+            Some(n),
+            "{reason}"
+        );
+    }
+    assert_eq!(h.metric("inferencecache_index_entries").await, Some(1.0));
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn updates_are_additive_deltas() {
     let mut h = Harness::start(&policy_doc("*", OPEN)).await;

@@ -281,6 +281,56 @@ async fn malformed_chain_and_empty_scheme_are_no_hint() {
     h.stop().await;
 }
 
+/// A wire chain's counts and hashes are checked when the server converts
+/// it: a negative count or an empty hash answers NO_HINT with the adapter
+/// echoed, as a length mismatch does; under `requireChain` a length
+/// mismatch is no wire chain (POLICY_REQUIRES_CHAIN) while the others are.
+#[tokio::test]
+async fn wire_chains_are_checked_at_the_edge() {
+    let mut h = Harness::start(&policy_doc("*", "  affinityRouting: Enabled\n")).await;
+    h.hold("A", &chain(1..3)).await;
+    h.hold("B", &chain(50..51)).await;
+    let valid = || LookupRouteRequest {
+        adapter_id: "x".into(),
+        ..chain_lookup(&chain(1..3))
+    };
+    let mut negative = valid();
+    negative.block_token_counts[1] = -64;
+    let mut empty_hash = valid();
+    empty_hash.block_hashes[1].clear();
+    let mut mismatched = valid();
+    mismatched.block_token_counts.push(64);
+    assert_ne!(h.lookup(valid()).await.reason_code, "NO_HINT");
+    for (what, request) in [
+        ("negative count", negative.clone()),
+        ("empty hash", empty_hash.clone()),
+        ("length mismatch", mismatched.clone()),
+    ] {
+        let r = h.lookup(request).await;
+        assert_eq!(
+            (r.reason_code.as_str(), r.adapter_id.as_str()),
+            ("NO_HINT", "x"),
+            "{what}"
+        );
+    }
+    h.stop().await;
+    let mut h = Harness::start(&policy_doc("*", "  strategy: {requireChain: true}\n")).await;
+    h.hold("A", &chain(1..3)).await;
+    for (what, request, want) in [
+        ("negative count", negative, ("NO_HINT", "x")),
+        ("empty hash", empty_hash, ("NO_HINT", "x")),
+        ("length mismatch", mismatched, ("POLICY_REQUIRES_CHAIN", "")),
+    ] {
+        let r = h.lookup(request).await;
+        assert_eq!(
+            (r.reason_code.as_str(), r.adapter_id.as_str()),
+            want,
+            "{what}"
+        );
+    }
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn token_ids_fingerprinted_with_engine_block_size() {
     let mut h = Harness::start_with("", |c| c.index.engine_block_size = 16).await;
