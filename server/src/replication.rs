@@ -517,6 +517,8 @@ impl LogSink {
 /// The index update as the wire message the log carries, stamped
 /// `timestamp_us`: the bytes `wire_update(update).encode_to_vec()` gives,
 /// written without building the message (which would copy every hash).
+/// An entry the edge refused travels as the smallest entry refused for the
+/// same reason ([`refused_entry`]), so every server counts it as dropped.
 fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
     let strings = |buf: &mut Vec<u8>, fields: &[(u32, &String)]| {
         for (tag, value) in fields {
@@ -534,6 +536,7 @@ fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
             + update.hash_scheme.len()
             + update.adapter_id.len()
             + prefixes.iter().map(|len| len + 6).sum::<usize>()
+            + update.rejected.len() * 7
             + stats.as_ref().map_or(0, |s| s.encoded_len() + 6),
     );
     strings(
@@ -576,11 +579,27 @@ fn encode_update(update: &index::CacheUpdate, timestamp_us: i64) -> Vec<u8> {
         }
         strings(&mut buf, &[(6, &p.adapter_id)]);
     }
+    for &reason in &update.rejected {
+        let entry = refused_entry(reason);
+        encode_key(6, WireType::LengthDelimited, &mut buf);
+        encode_varint(entry.len() as u64, &mut buf);
+        buf.extend_from_slice(entry);
+    }
     if let Some(stats) = &stats {
         message::encode(7, stats, &mut buf);
     }
     strings(&mut buf, &[(8, &update.adapter_id)]);
     buf
+}
+
+/// The encoded `PrefixEntry` a refused entry travels as: one token count
+/// and no hash (`block_token_counts: [0]`) for a malformed chain, one empty
+/// hash (`block_hashes: [""]`, `block_token_counts: [0]`) for an empty one.
+fn refused_entry(reason: index::DropReason) -> &'static [u8] {
+    match reason {
+        index::DropReason::MalformedChain => &[0x22, 0x01, 0x00],
+        _ => &[0x1a, 0x00, 0x22, 0x01, 0x00],
+    }
 }
 
 /// A token count as the wire's `int32` (the index's counts came from it).
@@ -676,6 +695,14 @@ fn wire_update(update: &index::CacheUpdate) -> CacheStateUpdate {
                 tier: p.tier as i32,
                 adapter_id: p.adapter_id.clone(),
             })
+            .chain(update.rejected.iter().map(|&reason| PrefixEntry {
+                block_hashes: match reason {
+                    index::DropReason::MalformedChain => Vec::new(),
+                    _ => vec![Vec::new()],
+                },
+                block_token_counts: vec![0],
+                ..Default::default()
+            }))
             .collect(),
         stats: update.stats.as_ref().map(wire_stats),
         adapter_id: update.adapter_id.clone(),
@@ -1233,7 +1260,10 @@ mod tests {
                 tier: index::Tier::T2,
                 adapter_id: "a".into(),
             }],
-            rejected: Vec::new(),
+            rejected: vec![
+                index::DropReason::MalformedChain,
+                index::DropReason::EmptyHash,
+            ],
             stats: Some(index::ReplicaStatsReport {
                 replica_id: "r".into(),
                 pressure: 0.5,
@@ -1322,7 +1352,10 @@ mod tests {
                     ..Default::default()
                 },
             ],
-            rejected: Vec::new(),
+            rejected: vec![
+                index::DropReason::MalformedChain,
+                index::DropReason::EmptyHash,
+            ],
             stats: Some(index::ReplicaStatsReport {
                 replica_id: "r".into(),
                 pressure: 0.5,
