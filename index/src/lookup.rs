@@ -2,9 +2,12 @@
 //!
 //! Order of decisions (first hit wins):
 //! 1. probe tenant → NO_HINT; deadline already passed → TIMEOUT;
-//!    `requireChain` without a valid wire chain → POLICY_REQUIRES_CHAIN
+//!    `requireChain` without a wire chain of parallel arrays
+//!    ([`ChainInput::from_wire`]) → POLICY_REQUIRES_CHAIN
 //!    (these three echo no adapter: the index is not consulted);
-//! 2. empty hash_scheme or malformed chain → NO_HINT; no fingerprint at all → NO_HINT;
+//! 2. empty hash_scheme or malformed chain (arrays of different lengths; with
+//!    chain matching on, also a negative count or an empty hash, as the
+//!    server found them) → NO_HINT; no fingerprint at all → NO_HINT;
 //! 3. match: chain (longest leading run per replica; drop-out is final;
 //!    weakest-link freshness; coldest tier) or exact `prefix_hash`;
 //! 4. hits → matched-tokens floor → score → routing floor → minimumPrefixTokens gate;
