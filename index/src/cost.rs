@@ -388,24 +388,25 @@ pub(crate) fn rank_by_cost(
         };
     }
     let total = request_tokens.max(1) as f64;
-    let mut ranked: SmallVec<[&MemberCost; 32]> =
-        members.iter().filter(|m| m.matched >= floor).collect();
-    ranked.sort_by(|a, b| {
+    // Each member's name is looked up once, for the order (names break
+    // ties of cost and match, which are common) and for the answer.
+    let mut ranked: SmallVec<[(&MemberCost, &std::sync::Arc<str>); 32]> = members
+        .iter()
+        .filter(|m| m.matched >= floor)
+        .map(|m| (m, catalog.replica_str(m.replica)))
+        .collect();
+    ranked.sort_unstable_by(|(a, a_name), (b, b_name)| {
         a.cost
             .total_cmp(&b.cost)
             .then_with(|| b.matched.cmp(&a.matched))
-            .then_with(|| {
-                catalog
-                    .replica_str(a.replica)
-                    .cmp(catalog.replica_str(b.replica))
-            })
+            .then_with(|| a_name.cmp(b_name))
     });
     let scores = ranked
         .into_iter()
-        .map(|m| {
+        .map(|(m, name)| {
             let freshness = ctx.freshness(m.oldest_seen);
             ReplicaScore {
-                replica_id: catalog.replica_str(m.replica).clone(),
+                replica_id: name.clone(),
                 score: (total / (total + m.cost)) as f32,
                 matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
                 estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0) * freshness) as f32,
