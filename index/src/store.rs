@@ -611,12 +611,21 @@ impl Body {
         let n = request.len();
         let mut m = 1;
         if self.data.wide.is_none() {
-            let stored = &self.data.words[HEAD + pos..HEAD + len];
-            while at + m < n && m < stored.len() {
+            let stored = &self.data.words[HEAD + pos + 1..HEAD + len];
+            if let BlockHashes::Narrow(words) = request {
+                // Both sides are arrays of words: one compare per block.
+                let asked = &words[at + 1..];
+                return 1 + stored
+                    .iter()
+                    .zip(asked)
+                    .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
+                    .count();
+            }
+            while at + m < n && m <= stored.len() {
                 let HashRef::Narrow(word) = request.hash(at + m) else {
                     break;
                 };
-                if stored[m].load(Ordering::Relaxed) != word {
+                if stored[m - 1].load(Ordering::Relaxed) != word {
                     break;
                 }
                 m += 1;
