@@ -1540,6 +1540,65 @@ mod tests {
         );
     }
 
+    /// Length of `replica`'s prefix word in the run holding key `h`.
+    fn prefix_len(store: &Store, part: PartitionId, h: u64, replica: ReplicaId) -> usize {
+        let reader = store.reader();
+        let (body, _) = reader
+            .locate(part, &Key::new(part, HashRef::Narrow(h)))
+            .expect("stored");
+        let body = body.as_ref().expect("located body");
+        let slot = body.rows[body.row(replica).expect("a row")].slot as usize;
+        Prefix(body.data.prefix(slot).load(Ordering::Relaxed)).len()
+    }
+
+    #[test]
+    fn prefix_words_cover_what_reports_wrote_in_order() {
+        let store = Store::default();
+        let report = |range: std::ops::Range<u64>, seen: u32| {
+            store
+                .write()
+                .hold(1, &keys(1, range), claim(7, seen), &mut holding(1000));
+        };
+        report(0..64, 100);
+        assert_eq!(prefix_len(&store, 1, 0, 7), 64, "one report in order");
+        // A later refresh of the middle: the blocks after it are older.
+        report(10..20, 105);
+        assert_eq!(prefix_len(&store, 1, 0, 7), 20);
+        // A refresh of the whole chain in order covers it all again.
+        report(0..64, 110);
+        assert_eq!(prefix_len(&store, 1, 0, 7), 64);
+        // A hole ends it; a colder tier too.
+        store
+            .write()
+            .release(1, &Key::new(1, HashRef::Narrow(30)), 7);
+        assert_eq!(prefix_len(&store, 1, 0, 7), 30);
+        let cold = Claim {
+            tier: 2,
+            ..claim(7, 111)
+        };
+        store
+            .write()
+            .hold(1, &keys(1, 0..1), cold, &mut holding(1000));
+        assert_eq!(prefix_len(&store, 1, 0, 7), 1, "block 0 alone at T2");
+        // Stretches read through the word and cell by cell agree.
+        let reader = store.reader();
+        let (body, pos) = reader
+            .locate(1, &Key::new(1, HashRef::Narrow(0)))
+            .expect("stored");
+        let body = body.as_ref().expect("located body");
+        let row = body.row(7).expect("a row");
+        let slot = body.rows[row].slot as usize;
+        for (from, to) in [(0, 1), (0, 30), (1, 30), (5, 29), (0, 64)] {
+            let fast = body.held_stretch(row, pos + from, pos + to);
+            let slow = body.scan_stretch(slot, pos + from, pos + to);
+            assert_eq!(
+                (fast.blocks, fast.oldest, fast.tier, fast.ended),
+                (slow.blocks, slow.oldest, slow.tier, slow.ended),
+                "{from}..{to}"
+            );
+        }
+    }
+
     #[test]
     fn room_cap_and_displacement() {
         let store = Store::default();
