@@ -1,14 +1,16 @@
 //! Property tests of the chain matcher and the store.
 //!
 //! The first gives up to six replicas a random subset of a 12-block chain and
-//! asks for a random prefix of it; the properties are checked against a
-//! straightforward model of the longest-leading-run rule. The second runs
+//! asks for a random prefix of it, under either ranker; the properties are
+//! checked against a straightforward model of the longest-leading-run rule,
+//! in both directions for the Contract ranker (a PREFIX_MATCH exactly when
+//! some replica holds block 0). The second runs
 //! random interleavings of stores (whole, from the middle of a chain, or with
 //! every other block missing; chains longer than a run), removals,
 //! ALL_CLEARED, TTL sweeps, capacity evictions and lookups against a
 //! reference map of (replica, block) → (last seen, tier), and checks every
-//! lookup's holders, matched tokens and tiers and the entry and key counts
-//! after every step.
+//! lookup's holders, matched tokens, tiers and weakest-link freshness and
+//! the entry and key counts after every step.
 
 use std::sync::Arc;
 
@@ -18,12 +20,21 @@ use inference_cache_index::{
 };
 use proptest::prelude::*;
 
-const OPEN_POLICY: &str = "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
-metadata: {name: open, namespace: \"*\"}\nspec: {minimumMatchedTokens: 0, routingFloorScore: \"0\", affinityRouting: Disabled}\n";
+/// No floors and no fallback, under `ranker`: with the Contract ranker a
+/// request is a PREFIX_MATCH exactly when some replica holds its block 0;
+/// the cost-aware ranker may also downgrade a match that distinguishes no
+/// replica.
+fn open_policy(ranker: &str) -> PolicySet {
+    let doc = format!(
+        "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\n\
+metadata: {{name: open, namespace: \"*\"}}\nspec: {{ranker: {ranker}, minimumMatchedTokens: 0, minimumPrefixTokens: 0, routingFloorScore: \"0\", affinityRouting: Disabled}}\n"
+    );
+    PolicySet::from_yaml(&doc).expect("policy")
+}
 
-fn build(holdings: &[Vec<bool>], counts: &[u32]) -> (CacheIndex, Vec<Vec<u8>>) {
+fn build(holdings: &[Vec<bool>], counts: &[u32], ranker: &str) -> (CacheIndex, Vec<Vec<u8>>) {
     let index = CacheIndex::new(Arc::new(ManualClock::default()), 1_000_000);
-    index.set_policies(PolicySet::from_yaml(OPEN_POLICY).expect("policy"));
+    index.set_policies(open_policy(ranker));
     let blocks: Vec<Vec<u8>> = (0..counts.len() as u64)
         .map(|i| (0xABCD_0000 + i).to_be_bytes().to_vec())
         .collect();
@@ -57,8 +68,10 @@ proptest! {
         holdings in prop::collection::vec(prop::collection::vec(any::<bool>(), 12), 1..6),
         counts in prop::collection::vec(1u32..200, 12),
         asked in 1usize..=12,
+        contract in any::<bool>(),
     ) {
-        let (index, blocks) = build(&holdings, &counts);
+        let ranker = if contract { "Contract" } else { "CostAware" };
+        let (index, blocks) = build(&holdings, &counts, ranker);
         let mut request = LookupRequest::new("t", "m", "vllm");
         let chain = BlockChain::new(&blocks[..asked], counts[..asked].to_vec()).expect("a valid chain");
         request.chain = ChainInput::Wire(&chain);
@@ -73,6 +86,10 @@ proptest! {
             prop_assert_eq!(i64::from(score.matched_tokens), i64::from(expected));
         }
         let any_block0 = holdings.iter().any(|h| h[0]);
+        if contract {
+            // Both directions: a match iff some replica holds block 0.
+            prop_assert_eq!(outcome.reason == Reason::PrefixMatch, any_block0, "{:?}", outcome.reason);
+        }
         if outcome.reason == Reason::PrefixMatch {
             prop_assert!(any_block0);
             let mut holders: Vec<String> = holdings.iter().enumerate().filter(|(_, h)| h[0]).map(|(i, _)| format!("r{i}")).collect();
