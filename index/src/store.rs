@@ -315,15 +315,19 @@ impl RunData {
     }
 
     /// The [`Prefix`] word of row slot `slot`.
-    fn prefix(&self, slot: usize) -> &AtomicU64 {
+    /// Where the prefix words start in `words`; the cells follow them.
+    fn prefixes_at(&self) -> usize {
         let cap = self.cap();
-        &self.words[HEAD + cap + cap.div_ceil(2) + slot]
+        HEAD + cap + cap.div_ceil(2)
+    }
+
+    fn prefix(&self, slot: usize) -> &AtomicU64 {
+        &self.words[self.prefixes_at() + slot]
     }
 
     /// Cells of row slot `slot`, positions `from..to`.
     fn cells(&self, slot: usize, from: usize, to: usize) -> &[AtomicU64] {
-        let cap = self.cap();
-        let base = HEAD + cap + cap.div_ceil(2) + self.row_cap() + slot * cap;
+        let base = self.prefixes_at() + self.row_cap() + slot * self.cap();
         &self.words[base + from..base + to]
     }
 
@@ -1040,7 +1044,8 @@ impl Writing<'_> {
             return;
         };
         body.data.set_count(pos, count);
-        if let Some(row) = body.row(claim.replica) {
+        let own = body.row(claim.replica);
+        if let Some(row) = own {
             let old = body.cell(row, pos);
             if old.held() {
                 body.set(
@@ -1079,8 +1084,14 @@ impl Writing<'_> {
         if holders == 0 {
             h.new_keys += 1;
         }
-        let Some(row) = self.ensure_row(run, claim.replica) else {
-            return;
+        // A row of its own found above stands (rows change only by
+        // `ensure_row` and by dropping empty ones, after this write).
+        let row = match own {
+            Some(row) => row,
+            None => match self.ensure_row(run, claim.replica) {
+                Some(row) => row,
+                None => return,
+            },
         };
         if let Some(body) = self.body(run) {
             body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
