@@ -384,21 +384,6 @@ impl BlockChain {
     pub fn tokens(&self) -> u64 {
         self.token_counts.iter().map(|&n| u64::from(n)).sum()
     }
-
-    /// Keeps the first `blocks` blocks (still a valid chain).
-    pub fn truncate(&mut self, blocks: usize) {
-        if blocks >= self.len() {
-            return;
-        }
-        self.token_counts.truncate(blocks);
-        match &mut self.hashes {
-            BlockHashes::Narrow(words) => words.truncate(blocks),
-            BlockHashes::Wide { bytes, ends } => {
-                ends.truncate(blocks);
-                bytes.truncate(ends.last().copied().unwrap_or(0));
-            }
-        }
-    }
 }
 
 /// How a lookup is fingerprinted as a chain, as the server resolved it.

@@ -314,13 +314,13 @@ impl RunData {
         }
     }
 
-    /// The [`Prefix`] word of row slot `slot`.
     /// Where the prefix words start in `words`; the cells follow them.
     fn prefixes_at(&self) -> usize {
         let cap = self.cap();
         HEAD + cap + cap.div_ceil(2)
     }
 
+    /// The [`Prefix`] word of row slot `slot`.
     fn prefix(&self, slot: usize) -> &AtomicU64 {
         &self.words[self.prefixes_at() + slot]
     }
@@ -353,23 +353,9 @@ impl RunData {
         }
         // `Release`: a reader that sees this cell sees the shortened prefix.
         cells[pos].store(cell.0, Ordering::Release);
-        if pos != n {
-            return;
-        }
-        // The new cell ends the prefix: it grows when the cell continues it,
-        // and over the cells after it that do (an append has none).
-        let continues = cell.held()
-            && (n == 0 || (cell.tier() == prefix.tier() && seen(n - 1) <= cell.last_seen()));
-        if !continues {
-            return;
-        }
-        let next = cells.get(n + 1).map(|c| Cell(c.load(Ordering::Relaxed)));
-        if next.is_some_and(Cell::held) {
-            self.extend_prefix(slot);
-        } else {
-            let prefix = Prefix(word.load(Ordering::Relaxed));
-            // `Release`: the cell it covers was written before.
-            word.store(prefix.grown(n + 1, cell.tier()).0, Ordering::Release);
+        // A cell at the prefix's end may lengthen it.
+        if pos == n {
+            grow_prefix(cells, word);
         }
     }
 
@@ -380,31 +366,35 @@ impl RunData {
     /// Lengthens slot `slot`'s prefix over the held cells after it that
     /// keep its tier and do not get older.
     fn extend_prefix(&self, slot: usize) {
-        let cells = self.cells(slot, 0, self.cap());
-        let word = self.prefix(slot);
-        let prefix = Prefix(word.load(Ordering::Relaxed));
-        let start = prefix.len();
-        let (mut tier, mut last) = match start.checked_sub(1) {
-            Some(p) => (
-                prefix.tier(),
-                Cell(cells[p].load(Ordering::Relaxed)).last_seen(),
-            ),
-            None => (0, 0),
-        };
-        let mut n = start;
-        for c in &cells[start..] {
-            let c = Cell(c.load(Ordering::Relaxed));
-            if !c.held() || (n > 0 && (c.tier() != tier || c.last_seen() < last)) {
-                break;
-            }
-            tier = c.tier();
-            last = c.last_seen();
-            n += 1;
+        grow_prefix(self.cells(slot, 0, self.cap()), self.prefix(slot));
+    }
+}
+
+/// Lengthens the prefix in `word` over the held `cells` after it that keep
+/// its tier and do not get older (writer only).
+fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
+    let prefix = Prefix(word.load(Ordering::Relaxed));
+    let start = prefix.len();
+    let (mut tier, mut last) = match start.checked_sub(1) {
+        Some(p) => (
+            prefix.tier(),
+            Cell(cells[p].load(Ordering::Relaxed)).last_seen(),
+        ),
+        None => (0, 0),
+    };
+    let mut n = start;
+    for c in &cells[start..] {
+        let c = Cell(c.load(Ordering::Relaxed));
+        if !c.held() || (n > 0 && (c.tier() != tier || c.last_seen() < last)) {
+            break;
         }
-        if n != start {
-            // `Release`: the cells it covers were written before.
-            word.store(prefix.grown(n, tier).0, Ordering::Release);
-        }
+        tier = c.tier();
+        last = c.last_seen();
+        n += 1;
+    }
+    if n != start {
+        // `Release`: the cells it covers were written before.
+        word.store(prefix.grown(n, tier).0, Ordering::Release);
     }
 }
 
@@ -947,18 +937,15 @@ impl Writing<'_> {
         body
     }
 
-    /// Adds a key at `at`, in the slot its failed search found when given
-    /// (nothing was inserted since: one key is added at a time).
-    fn insert_key(&mut self, probe: Probe, at: u32, vacant: Option<Vacant>) {
+    /// Adds a key at `at`, in the slot its failed search found (nothing was
+    /// inserted since: one key is added at a time), or anew in a grown table.
+    fn insert_key(&mut self, probe: Probe, at: u32, vacant: Vacant) {
         if self.w.table.full() {
             let next = self.w.table.rebuilt(0);
             self.swap_table(next);
             self.w.table.insert(probe, at);
-            return;
-        }
-        match vacant {
-            Some(v) => self.w.table.insert_at(v, probe, at),
-            None => self.w.table.insert(probe, at),
+        } else {
+            self.w.table.insert_at(vacant, probe, at);
         }
     }
 
@@ -1198,7 +1185,7 @@ impl Writing<'_> {
         body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
         body.publish_len(pos + 1);
         // The slot its failed search found: nothing since touched the table.
-        self.insert_key(key.probe, loc(run, pos), Some(vacant));
+        self.insert_key(key.probe, loc(run, pos), vacant);
         self.w.live[run as usize] += 1;
         self.w.entries += 1;
         h.room -= 1;
