@@ -12,8 +12,10 @@
 //! and per-scope counters are atomics or small mutexes updated once per ingest
 //! batch, never per lookup.
 
+use std::collections::BTreeMap;
+use std::ops::Bound;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
@@ -133,6 +135,11 @@ impl<T> IdList<T> {
         chunk.items[id as usize % ID_CHUNK].as_ref()
     }
 
+    fn get_mut(&mut self, id: u32) -> Option<&mut T> {
+        let chunk = self.chunks.get_mut(id as usize / ID_CHUNK)?.as_mut()?;
+        chunk.items[id as usize % ID_CHUNK].as_mut()
+    }
+
     /// Live items with their ids, in id order.
     pub fn with_ids(&self) -> impl Iterator<Item = (u32, &T)> {
         self.chunks.iter().enumerate().flat_map(|(c, chunk)| {
@@ -243,13 +250,23 @@ pub(crate) struct Freed {
     pub replicas: usize,
 }
 
+/// A replica's name and its place among the others' (see
+/// [`Catalog::replica_order`]).
+#[derive(Debug)]
+struct ReplicaName {
+    name: Arc<str>,
+    order: u64,
+}
+
 /// Interned names, partitions and scopes.
 #[derive(Debug, Default)]
 pub(crate) struct Catalog {
     names: HashMap<Arc<str>, NameId>,
     name_list: IdList<Arc<str>>,
     replicas: HashMap<Arc<str>, ReplicaId>,
-    replica_list: IdList<Arc<str>>,
+    replica_list: IdList<ReplicaName>,
+    /// Replica names in order, for their order keys.
+    replica_order: BTreeMap<Arc<str>, ReplicaId>,
     partition_ids: HashMap<[NameId; 4], PartitionId>,
     pub partitions: Slab<Partition>,
     /// Partitions of each `(tenant, model)`: an event naming both visits
@@ -263,9 +280,38 @@ pub(crate) struct Catalog {
     joined: HashSet<[NameId; 2]>,
     /// What a freed id reads as.
     empty: Arc<str>,
+    /// Changes whenever a name, partition or scope is added or freed; no
+    /// two catalogs ever share a value (see [`Catalog::generation`]).
+    generation: Generation,
+}
+
+/// A catalog's generation: taken from one process-wide counter, so a value
+/// names one state of one catalog.
+#[derive(Debug)]
+struct Generation(u64);
+
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
+
+impl Generation {
+    fn next() -> Self {
+        Self(GENERATIONS.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl Default for Generation {
+    fn default() -> Self {
+        Self::next()
+    }
 }
 
 impl Catalog {
+    /// A value that names this catalog's current names, partitions and
+    /// scopes: what was resolved from them at one generation holds until it
+    /// changes, and no other catalog ever has it.
+    pub fn generation(&self) -> u64 {
+        self.generation.0
+    }
+
     /// Id of an already interned name.
     pub fn name(&self, name: &str) -> Option<NameId> {
         self.names.get(name).copied()
@@ -283,7 +329,16 @@ impl Catalog {
 
     /// The string behind a replica id (empty once freed).
     pub fn replica_str(&self, id: ReplicaId) -> &Arc<str> {
-        self.replica_list.get(id).unwrap_or(&self.empty)
+        self.replica_list.get(id).map_or(&self.empty, |r| &r.name)
+    }
+
+    /// A key that orders replicas as their names do (`a < b` exactly when
+    /// `a`'s name sorts before `b`'s), so that ranking breaks ties by name
+    /// without comparing strings. Keys are spread over the `u64` range; a new
+    /// name takes the middle of its neighbours' gap, and all are spread again
+    /// when a gap runs out. 0 for a freed id.
+    pub fn replica_order(&self, id: ReplicaId) -> u64 {
+        self.replica_list.get(id).map_or(0, |r| r.order)
     }
 
     /// Whether a replica id is still interned.
@@ -313,9 +368,9 @@ impl Catalog {
         self.partition_ids.get(&ids).copied()
     }
 
-    /// Scope of interned name ids `[tenant, model, scheme]`.
-    pub fn scope_of(&self, ids: [NameId; 3]) -> Option<&Arc<Scope>> {
-        self.scope_ids.get(&ids).and_then(|&i| self.scopes.get(i))
+    /// Id of the scope of interned name ids `[tenant, model, scheme]`.
+    pub fn scope_id_of(&self, ids: [NameId; 3]) -> Option<u32> {
+        self.scope_ids.get(&ids).copied()
     }
 
     /// Scope of already interned names.
@@ -331,6 +386,7 @@ impl Catalog {
         let shared: Arc<str> = Arc::from(name);
         let id = self.name_list.push(shared.clone());
         self.names.insert(shared, id);
+        self.generation = Generation::next();
         id
     }
 
@@ -339,9 +395,37 @@ impl Catalog {
             return id;
         }
         let shared: Arc<str> = Arc::from(name);
-        let id = self.replica_list.push(shared.clone());
-        self.replicas.insert(shared, id);
+        let below = self
+            .replica_order
+            .range::<str, _>((Bound::Unbounded, Bound::Excluded(name)))
+            .next_back()
+            .map_or(0, |(_, &r)| self.replica_order(r));
+        let above = self
+            .replica_order
+            .range::<str, _>((Bound::Excluded(name), Bound::Unbounded))
+            .next()
+            .map_or(u64::MAX, |(_, &r)| self.replica_order(r));
+        let gap = above - below;
+        let id = self.replica_list.push(ReplicaName {
+            name: shared.clone(),
+            order: below + gap / 2,
+        });
+        self.replicas.insert(shared.clone(), id);
+        self.replica_order.insert(shared, id);
+        if gap < 2 {
+            self.spread_replica_order();
+        }
         id
+    }
+
+    /// Spreads the replicas' order keys evenly over the `u64` range.
+    fn spread_replica_order(&mut self) {
+        let step = u64::MAX / (self.replica_order.len() as u64 + 1);
+        for (i, &id) in self.replica_order.values().enumerate() {
+            if let Some(r) = self.replica_list.get_mut(id) {
+                r.order = step * (i as u64 + 1);
+            }
+        }
     }
 
     /// Live names, replicas, partitions and scopes.
@@ -414,6 +498,7 @@ impl Catalog {
             tenant_entries,
         });
         self.partition_ids.insert(ids, p);
+        self.generation = Generation::next();
         self.by_pair.entry([ids[0], ids[1]]).or_default().push(p);
         p
     }
@@ -449,6 +534,7 @@ impl Catalog {
         members: impl Fn([NameId; 2]) -> Option<Vec<NameId>>,
     ) -> Freed {
         let mut freed = Freed::default();
+        self.generation = Generation::next();
         let Self {
             partition_ids,
             partitions,
@@ -511,12 +597,14 @@ impl Catalog {
         let Self {
             replicas,
             replica_list,
+            replica_order,
             ..
         } = self;
-        replicas.retain(|_, &mut id| {
+        replicas.retain(|name, &mut id| {
             let keep = busy(id);
             if !keep {
                 replica_list.remove(id);
+                replica_order.remove(name);
                 freed.replicas += 1;
             }
             keep
@@ -569,5 +657,74 @@ mod tests {
         assert_eq!(list.get(1_000), Some(&7));
         assert_eq!(list.bound(), 1_001);
         assert_eq!(list.with_ids().collect::<Vec<_>>(), vec![(1_000, &7)]);
+    }
+
+    /// Every pair of live replicas orders by key as by name.
+    fn assert_order_follows_names(catalog: &Catalog, ids: &[ReplicaId]) {
+        for &a in ids {
+            for &b in ids {
+                let by_name = catalog.replica_str(a).cmp(catalog.replica_str(b));
+                let by_key = catalog.replica_order(a).cmp(&catalog.replica_order(b));
+                assert_eq!(
+                    by_key,
+                    by_name,
+                    "{} vs {}",
+                    catalog.replica_str(a),
+                    catalog.replica_str(b)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn replica_order_keys_follow_name_order_through_inserts_spreads_and_frees() {
+        let mut catalog = Catalog::default();
+        let mut ids = Vec::new();
+        // Names that always land in the same gap (each just below the
+        // last) use it up within 64 inserts, forcing spreads.
+        for i in 0..200u32 {
+            ids.push(catalog.intern_replica(&format!("b-{:03}", 200 - i)));
+        }
+        // Then names all around them, and again at both ends.
+        for i in 0..100u32 {
+            ids.push(catalog.intern_replica(&format!("b-{:03}x", i * 2)));
+            ids.push(catalog.intern_replica(&format!("a{i}")));
+            ids.push(catalog.intern_replica(&format!("z{i}")));
+        }
+        assert_eq!(
+            catalog.intern_replica("b-100"),
+            ids[100],
+            "known names keep their id"
+        );
+        assert_order_follows_names(&catalog, &ids);
+        // Freed replicas leave the order; later names still fit in.
+        let kept: Vec<ReplicaId> = ids.iter().copied().filter(|id| id % 3 != 0).collect();
+        catalog.free_unused(|id| id % 3 != 0, |_| None);
+        assert_eq!(catalog.replica_order(ids[0]), 0, "a freed id has no key");
+        let mut live = kept;
+        for i in 0..100u32 {
+            live.push(catalog.intern_replica(&format!("b-{:03}y", i)));
+        }
+        assert_order_follows_names(&catalog, &live);
+    }
+
+    #[test]
+    fn the_generation_moves_with_names_and_partitions_only() {
+        let mut catalog = Catalog::default();
+        let other = Catalog::default();
+        assert_ne!(catalog.generation(), other.generation());
+        let g0 = catalog.generation();
+        catalog.intern_replica("replica-0");
+        assert_eq!(catalog.generation(), g0, "replicas do not resolve requests");
+        catalog.intern_partition("t", "m", "s", "");
+        let g1 = catalog.generation();
+        assert_ne!(g1, g0);
+        catalog.intern_partition("t", "m", "s", "");
+        assert_eq!(catalog.generation(), g1, "nothing new");
+        catalog.intern_partition("t", "m", "s", "lora");
+        assert_ne!(catalog.generation(), g1);
+        let g2 = catalog.generation();
+        catalog.free_unused(|_| true, |_| None);
+        assert_ne!(catalog.generation(), g2);
     }
 }

@@ -77,7 +77,7 @@ use smallvec::SmallVec;
 use crate::catalog::{Catalog, ReplicaId};
 use crate::fleet::Fleet;
 use crate::index::CacheIndex;
-use crate::lookup::{Candidate, Ctx, Ranked, Records, Serving};
+use crate::lookup::{Candidate, Ctx, Live, Ranked};
 use crate::messages::{Chain, Decision, ReplicaScore, Tier};
 use crate::policy::CachePolicy;
 use crate::store::HashRef;
@@ -100,6 +100,9 @@ pub(crate) struct MemberCost {
     pub replica: ReplicaId,
     /// Prefill tokens queued there.
     pub load: f64,
+    /// Whether its queue is known from recent stats (else `load` adds the
+    /// mean of the members whose queue is).
+    pub load_known: bool,
     /// Requests hinted there recently (decayed count).
     pub assigned: f64,
     /// Tokens of the request it holds.
@@ -111,6 +114,8 @@ pub(crate) struct MemberCost {
     /// How full its cache runs (see `ReplicaRecord::churn`).
     pub churn: f64,
     pub cost: f64,
+    /// Its name's place among the replicas' (`Catalog::replica_order`).
+    pub order: u64,
 }
 
 pub(crate) type Members = SmallVec<[MemberCost; 32]>;
@@ -136,11 +141,11 @@ impl MemberLoads {
         &mut self,
         index: &CacheIndex,
         ctx: &Ctx<'_>,
-        serving: &Serving,
-        records: &Records<'_>,
+        catalog: &Catalog,
+        serving: &[Live<'_>],
     ) -> &mut Members {
         if !self.read {
-            index.member_loads(ctx, serving, records, &mut self.members);
+            index.member_loads(ctx, catalog, serving, &mut self.members);
             self.read = true;
         }
         &mut self.members
@@ -169,8 +174,8 @@ impl CacheIndex {
     fn member_loads(
         &self,
         ctx: &Ctx<'_>,
-        serving: &Serving,
-        records: &Records<'_>,
+        catalog: &Catalog,
+        serving: &[Live<'_>],
         members: &mut Members,
     ) {
         let policy = ctx.policy;
@@ -179,8 +184,8 @@ impl CacheIndex {
         let half_life_ms = u64::try_from(policy.balance_half_life.as_millis()).unwrap_or(u64::MAX);
         members.clear();
         let (mut known_sum, mut known) = (0.0, 0u32);
-        let mut unknown: SmallVec<[usize; 32]> = SmallVec::new();
-        for (&replica, &record) in serving.iter().zip(records.iter()) {
+        members.reserve(serving.len());
+        for &Live { replica, record } in serving {
             let queued = record.and_then(|r| {
                 let stats = r.stats.as_ref()?;
                 (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
@@ -204,25 +209,25 @@ impl CacheIndex {
                         + policy.running_weight * queued_tokens(waiting, running)
                 })
             });
-            match queued {
-                Some(q) => {
-                    known_sum += q;
-                    known += 1;
-                }
-                None => unknown.push(members.len()),
+            if let Some(q) = queued {
+                known_sum += q;
+                known += 1;
             }
             members.push(MemberCost {
                 replica,
                 load: queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64,
+                load_known: queued.is_some(),
                 assigned: record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms)),
                 churn: record.map_or(0.0, |r| r.churn(ctx.now_ms)),
+                order: catalog.replica_order(replica),
                 ..MemberCost::default()
             });
         }
-        if known > 0 {
+        // A member whose load is unknown counts the mean of the known ones.
+        if known > 0 && (known as usize) < members.len() {
             let typical = known_sum / f64::from(known);
-            for i in unknown {
-                members[i].load += typical;
+            for m in members.iter_mut().filter(|m| !m.load_known) {
+                m.load += typical;
             }
         }
     }
@@ -261,9 +266,14 @@ fn cost_view(
     if members.is_empty() {
         return None;
     }
+    // Candidates and members are both sorted by replica id (and every
+    // candidate is a member): one merge pass fills in the matches.
+    let mut at = 0;
     for c in cands {
-        if let Ok(i) = members.binary_search_by_key(&c.replica, |m| m.replica) {
-            let m = &mut members[i];
+        while at < members.len() && members[at].replica < c.replica {
+            at += 1;
+        }
+        if let Some(m) = members.get_mut(at).filter(|m| m.replica == c.replica) {
             m.matched = c.matched;
             m.blocks = c.blocks;
             m.oldest_seen = c.oldest_seen;
@@ -273,7 +283,10 @@ fn cost_view(
     // Recent requests past the balance bound count as queued requests (see
     // the module notes).
     let n = members.len() as f64;
-    let mean_assigned = members.iter().map(|m| m.assigned).sum::<f64>() / n;
+    let (assigned_sum, load_sum) = members
+        .iter()
+        .fold((0.0, 0.0), |(a, l), m| (a + m.assigned, l + m.load));
+    let mean_assigned = assigned_sum / n;
     let (assigned_limit, excess_weight) = match kind {
         RequestKind::NewSession => (mean_assigned, 1.0),
         RequestKind::Continuation => (
@@ -284,34 +297,36 @@ fn cost_view(
     };
     // Recomputing a prefix is work every request queued behind it waits
     // for: the busier the fleet, the more an uncached token costs.
-    let mean_load = members.iter().map(|m| m.load).sum::<f64>() / n;
+    let mean_load = load_sum / n;
     let busy = if mean_tokens > 0.0 {
         mean_load / mean_tokens
     } else {
         0.0
     };
     let uncached_weight = 1.0 + policy.contention_weight * busy;
-    for m in members.iter_mut() {
-        let excess = (m.assigned - assigned_limit).max(0.0) * mean_tokens * excess_weight;
+    let excess_scale = mean_tokens * excess_weight;
+    let mut best = 0;
+    let (mut best_cost, mut best_matched) = (f64::INFINITY, i64::MIN);
+    for (i, m) in members.iter_mut().enumerate() {
+        let excess = (m.assigned - assigned_limit).max(0.0) * excess_scale;
         let uncached = (request_tokens - m.matched).max(0) as f64;
         let weight = uncached_weight + policy.full_cache_weight * m.churn;
         m.cost = weight * uncached + policy.load_weight * (m.load + excess);
-    }
-    let mut best = 0;
-    for (i, m) in members.iter().enumerate() {
-        let b = &members[best];
-        if m.cost < b.cost || (m.cost == b.cost && m.matched > b.matched) {
-            best = i;
+        if i == 0 || m.cost < best_cost || (m.cost == best_cost && m.matched > best_matched) {
+            (best, best_cost, best_matched) = (i, m.cost, m.matched);
         }
     }
-    // Common depth: the (⌊n/2⌋+1)-th largest held run (none for a lone member,
-    // whose match always distinguishes it).
-    let common_blocks = if members.len() < 2 {
+    // Common depth: the (⌊n/2⌋+1)-th largest held run (none for a lone
+    // member, whose match always distinguishes it). Members that are not
+    // candidates hold nothing, so with fewer candidates than that rank it
+    // is zero, and otherwise it is a rank among the candidates' runs.
+    let rank = members.len() / 2;
+    let common_blocks = if members.len() < 2 || cands.len() <= rank {
         0
     } else {
-        let mut runs: SmallVec<[u32; 32]> = members.iter().map(|m| m.blocks).collect();
+        let mut runs: SmallVec<[u32; 32]> = cands.iter().map(|c| c.blocks).collect();
         // Only the one rank is needed, not the whole order.
-        let (_, &mut at, _) = runs.select_nth_unstable_by(members.len() / 2, |a, b| b.cmp(a));
+        let (_, &mut at, _) = runs.select_nth_unstable_by(rank, |a, b| b.cmp(a));
         at as usize
     };
     let common_tokens = chain.map_or(0, |c| {
@@ -388,32 +403,33 @@ pub(crate) fn rank_by_cost(
         };
     }
     let total = request_tokens.max(1) as f64;
-    // Each member's name is looked up once, for the order (names break
-    // ties of cost and match, which are common) and for the answer.
-    let mut ranked: SmallVec<[(&MemberCost, &std::sync::Arc<str>); 32]> = members
+    // The answer's order: members past the floor by cost, then by match,
+    // then by name (ties of cost and match are common: members that hold
+    // only the shared head). The sort compares integer keys, not members.
+    let members = &members[..];
+    let mut order: SmallVec<[(u64, u64, u64, u32); 32]> = members
         .iter()
-        .filter(|m| m.matched >= floor)
-        .map(|m| (m, catalog.replica_str(m.replica)))
-        .collect();
-    ranked.sort_unstable_by(|(a, a_name), (b, b_name)| {
-        a.cost
-            .total_cmp(&b.cost)
-            .then_with(|| b.matched.cmp(&a.matched))
-            .then_with(|| a_name.cmp(b_name))
-    });
-    let scores = ranked
-        .into_iter()
-        .map(|(m, name)| {
-            let freshness = ctx.freshness(m.oldest_seen);
-            ReplicaScore {
-                replica_id: name.clone(),
-                score: (total / (total + m.cost)) as f32,
-                matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
-                estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0) * freshness) as f32,
-                tier: Tier::from_u8(m.tier),
-            }
+        .enumerate()
+        .filter(|(_, m)| m.matched >= floor)
+        .map(|(i, m)| {
+            let matched = u64::try_from(m.matched).unwrap_or(0);
+            (ordered_bits(m.cost), u64::MAX - matched, m.order, i as u32)
         })
         .collect();
+    order.sort_unstable();
+    let fresh = ctx.freshness_of();
+    let mut scores = Vec::with_capacity(order.len());
+    for &(.., i) in &order {
+        let m = &members[i as usize];
+        scores.push(ReplicaScore {
+            replica_id: catalog.replica_str(m.replica).clone(),
+            score: (total / (total + m.cost)) as f32,
+            matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
+            estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0)
+                * fresh.of(m.oldest_seen)) as f32,
+            tier: Tier::from_u8(m.tier),
+        });
+    }
     Ranked::Hint(crate::messages::Reason::PrefixMatch, scores)
 }
 
@@ -522,6 +538,16 @@ impl ReuseCounts {
         };
         slot.store(tag | (before + 1).min(0xFFFF), Ordering::Relaxed);
         before as u32
+    }
+}
+
+/// `x`'s bits as an unsigned key that orders as `f64::total_cmp` does.
+fn ordered_bits(x: f64) -> u64 {
+    let bits = x.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | 1 << 63
     }
 }
 

@@ -44,12 +44,17 @@ use crate::store::{Key, Reader, Stretch};
 
 const INLINE: usize = 16;
 
-/// Live members of a lookup's serving set, sorted by replica id.
-pub(crate) type Serving = SmallVec<[ReplicaId; 32]>;
+/// A live member of a lookup's serving set and its fleet record (read
+/// once, by the liveness check, and reused for its load and the hinted
+/// prefill).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Live<'f> {
+    pub replica: ReplicaId,
+    pub record: Option<&'f ReplicaRecord>,
+}
 
-/// The fleet records of a [`Serving`] set's members, in the same order
-/// (each read once, by the liveness check, and reused for the loads).
-pub(crate) type Records<'f> = SmallVec<[Option<&'f ReplicaRecord>; 32]>;
+/// Live members of a lookup's serving set, sorted by replica id.
+pub(crate) type Serving<'f> = SmallVec<[Live<'f>; 32]>;
 
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Candidate {
@@ -92,13 +97,13 @@ impl Candidates {
     /// Keeps the candidates that are live members of `serving`. Both are
     /// sorted by replica id (candidates come from rows, which are), so this
     /// is one merge pass.
-    fn retain_live(&mut self, serving: &Serving) {
+    fn retain_live(&mut self, serving: &[Live<'_>]) {
         let mut at = 0;
         self.list.retain(|c| {
-            while at < serving.len() && serving[at] < c.replica {
+            while at < serving.len() && serving[at].replica < c.replica {
                 at += 1;
             }
-            at < serving.len() && serving[at] == c.replica
+            at < serving.len() && serving[at].replica == c.replica
         });
     }
 
@@ -142,9 +147,15 @@ pub(crate) struct Ctx<'a> {
 
 impl Ctx<'_> {
     pub(crate) fn freshness(&self, seen_secs: u32) -> f64 {
-        let ttl = self.policy.eviction_ttl.as_secs_f64();
-        let age = f64::from(ms_to_secs(self.now_ms).saturating_sub(seen_secs));
-        (1.0 - age / ttl).max(0.0)
+        self.freshness_of().of(seen_secs)
+    }
+
+    /// Freshness at this lookup's time, for scoring many entries.
+    pub(crate) fn freshness_of(&self) -> Freshness {
+        Freshness {
+            now_secs: ms_to_secs(self.now_ms),
+            ttl_secs: self.policy.eviction_ttl.as_secs_f64(),
+        }
     }
 
     fn pressure_factor(&self, record: Option<&ReplicaRecord>) -> f64 {
@@ -166,6 +177,21 @@ impl Ctx<'_> {
         } else {
             1.0
         }
+    }
+}
+
+/// `1 − age / evictionTTL`, at least 0, of an entry last seen at
+/// `seen_secs`, at one lookup's time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Freshness {
+    now_secs: u32,
+    ttl_secs: f64,
+}
+
+impl Freshness {
+    pub(crate) fn of(self, seen_secs: u32) -> f64 {
+        let age = f64::from(self.now_secs.saturating_sub(seen_secs));
+        (1.0 - age / self.ttl_secs).max(0.0)
     }
 }
 
@@ -224,6 +250,22 @@ fn admit<'r>(req: &LookupRequest<'r>, policy: &CachePolicy) -> Result<Admitted<'
 
 /// The request's names, scope and partition, each name resolved once.
 fn resolve<'c>(catalog: &'c Catalog, req: &LookupRequest<'_>) -> Resolved<'c> {
+    let ids = LAST_RESOLVED.with_borrow_mut(|memo| {
+        if let Some(ids) = memo.get(catalog.generation(), req) {
+            return ids;
+        }
+        let ids = resolve_ids(catalog, req);
+        memo.set(catalog.generation(), req, ids);
+        ids
+    });
+    Resolved {
+        names: ids.names,
+        scope: ids.scope.and_then(|s| catalog.scopes.get(s)),
+        part: ids.part,
+    }
+}
+
+fn resolve_ids(catalog: &Catalog, req: &LookupRequest<'_>) -> ResolvedIds {
     let names = Names {
         tenant: catalog.name(req.tenant_id),
         model: catalog.name(req.model_id),
@@ -231,14 +273,77 @@ fn resolve<'c>(catalog: &'c Catalog, req: &LookupRequest<'_>) -> Resolved<'c> {
     };
     let (scope, part) = match (names.tenant, names.model, names.scheme) {
         (Some(t), Some(m), Some(s)) => (
-            catalog.scope_of([t, m, s]),
+            catalog.scope_id_of([t, m, s]),
             catalog
                 .name(req.adapter_id)
                 .and_then(|a| catalog.partition_of([t, m, s, a])),
         ),
         _ => (None, None),
     };
-    Resolved { names, scope, part }
+    ResolvedIds { names, scope, part }
+}
+
+/// What a request's names resolve to, as ids.
+#[derive(Debug, Clone, Copy)]
+struct ResolvedIds {
+    names: Names,
+    scope: Option<u32>,
+    part: Option<PartitionId>,
+}
+
+thread_local! {
+    /// The last resolution on this thread. A gateway's lookups come in a
+    /// few `(tenant, model, scheme, adapter)` combinations, so the next one
+    /// usually asks the same: four string compares instead of four hash
+    /// probes of the names and two of the id tuples (about 500 of a
+    /// lookup's instructions). It holds for one catalog generation.
+    static LAST_RESOLVED: std::cell::RefCell<ResolveMemo> =
+        const { std::cell::RefCell::new(ResolveMemo::empty()) };
+}
+
+/// One remembered resolution: the catalog generation it was made at, the
+/// four names and their ids.
+struct ResolveMemo {
+    generation: u64,
+    names: [String; 4],
+    ids: Option<ResolvedIds>,
+}
+
+impl ResolveMemo {
+    const fn empty() -> Self {
+        Self {
+            generation: 0,
+            names: [String::new(), String::new(), String::new(), String::new()],
+            ids: None,
+        }
+    }
+
+    fn key<'r>(req: &LookupRequest<'r>) -> [&'r str; 4] {
+        [req.tenant_id, req.model_id, req.hash_scheme, req.adapter_id]
+    }
+
+    fn get(&self, generation: u64, req: &LookupRequest<'_>) -> Option<ResolvedIds> {
+        let ids = self.ids?;
+        (self.generation == generation
+            && Self::key(req) == self.names.each_ref().map(String::as_str))
+        .then_some(ids)
+    }
+
+    fn set(&mut self, generation: u64, req: &LookupRequest<'_>, ids: ResolvedIds) {
+        // Names past this bound are resolved every time rather than copied.
+        const MAX_NAME: usize = 256;
+        let key = Self::key(req);
+        if key.iter().any(|k| k.len() > MAX_NAME) {
+            self.ids = None;
+            return;
+        }
+        for (kept, name) in self.names.iter_mut().zip(key) {
+            kept.clear();
+            kept.push_str(name);
+        }
+        self.generation = generation;
+        self.ids = Some(ids);
+    }
 }
 
 /// Why the answer is what it is, and the ranking after the
@@ -299,8 +404,7 @@ struct Scene<'a, 'r> {
     fleet: &'a Fleet,
     admitted: Admitted<'r>,
     at: Resolved<'a>,
-    serving: Serving,
-    records: Records<'a>,
+    serving: Serving<'a>,
 }
 
 impl CacheIndex {
@@ -333,7 +437,16 @@ impl CacheIndex {
         if let Some(key) = &first {
             reader.touch(key);
         }
-        let (serving, records) = self.serving_set(&ctx, &catalog, &fleet, at.names, at.scope);
+        let mut scene = Scene {
+            req,
+            ctx,
+            catalog: &catalog,
+            fleet: &fleet,
+            admitted,
+            at,
+            serving: Serving::new(),
+        };
+        self.serving_set(&mut scene);
         // Then start loading the body of the first block's run; the
         // members' loads (the cost-aware ranker reads every member's load
         // once, for the ranking and for the fallback alike) are read while
@@ -342,19 +455,9 @@ impl CacheIndex {
             reader.touch_run(key);
         }
         let mut loads = MemberLoads::new();
-        if policy.ranker == Ranker::CostAware && at.part.is_some() {
-            loads.get(self, &ctx, &serving, &records);
+        if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
+            loads.get(self, &scene.ctx, &catalog, &scene.serving);
         }
-        let scene = Scene {
-            req,
-            ctx,
-            catalog: &catalog,
-            fleet: &fleet,
-            admitted,
-            at,
-            serving,
-            records,
-        };
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, &mut cands);
         let missed = matches!(matched, Matched::Miss);
@@ -371,7 +474,7 @@ impl CacheIndex {
                 &fleet,
                 &scene.ctx,
                 &outcome,
-                (cands.as_slice(), &scene.serving, &scene.records),
+                (cands.as_slice(), &scene.serving),
                 scene.admitted.request_tokens,
             );
         }
@@ -452,7 +555,7 @@ impl CacheIndex {
                 self.rank_prefix_match(ctx, catalog, fleet, serving.len(), cands, request_tokens)
             }
             (Matched::Hits, Ranker::CostAware) => {
-                let members = loads.get(self, ctx, serving, &scene.records);
+                let members = loads.get(self, ctx, catalog, serving);
                 rank_by_cost(
                     ctx,
                     catalog,
@@ -516,7 +619,7 @@ impl CacheIndex {
                         self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        let members = loads.get(self, ctx, serving, &scene.records);
+                        let members = loads.get(self, ctx, catalog, serving);
                         bounded_affinity(
                             policy,
                             catalog,
@@ -547,39 +650,37 @@ impl CacheIndex {
     }
 
     /// Live members of the request's `(tenant, model)` that serve its hash
-    /// scheme, sorted by replica id (see the `fleet` module for liveness).
-    fn serving_set<'f>(
-        &self,
-        ctx: &Ctx<'_>,
-        catalog: &Catalog,
-        fleet: &'f Fleet,
-        names: Names,
-        scope: Option<&std::sync::Arc<Scope>>,
-    ) -> (Serving, Records<'f>) {
-        let (mut serving, mut records) = (Serving::new(), Records::new());
-        let (Some(tenant), Some(model)) = (names.tenant, names.model) else {
-            return (serving, records);
+    /// scheme, sorted by replica id, into the scene (see the `fleet` module
+    /// for liveness).
+    fn serving_set(&self, scene: &mut Scene<'_, '_>) {
+        let (Some(tenant), Some(model)) = (scene.at.names.tenant, scene.at.names.model) else {
+            return;
         };
-        let scheme = names.scheme;
-        let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
+        let (catalog, fleet, scope) = (scene.catalog, scene.fleet, scene.at.scope);
+        let scheme = scene.at.names.scheme;
+        let now_ms = scene.ctx.now_ms;
+        let timeout_ms =
+            u64::try_from(scene.ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
         // Members are kept sorted by replica id, and so is the set.
-        for member in fleet.members(tenant, model) {
+        let members = fleet.members(tenant, model);
+        scene.serving.reserve(members.len());
+        scene.serving.extend(members.iter().filter_map(|member| {
             // An id freed by a sweep while a membership was being written
             // is never named.
             if !(member.serves(scheme) && catalog.replica_alive(member.replica)) {
-                continue;
+                return None;
             }
             // The record is read once: for liveness here, for the member's
             // load and the hinted prefill later.
             let record = fleet.records.get(&member.replica);
-            if Fleet::record_live(record, ctx.now_ms, timeout_ms, || {
+            Fleet::record_live(record, now_ms, timeout_ms, || {
                 scope.is_some_and(|s| s.holds(member.replica))
-            }) {
-                serving.push(member.replica);
-                records.push(record);
-            }
-        }
-        (serving, records)
+            })
+            .then_some(Live {
+                replica: member.replica,
+                record,
+            })
+        }));
     }
 
     /// Counts the prefill a cost-aware hint sends to its replica as load
@@ -590,7 +691,7 @@ impl CacheIndex {
         fleet: &Fleet,
         ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
-        (cands, serving, records): (&[Candidate], &Serving, &Records<'_>),
+        (cands, serving): (&[Candidate], &[Live<'_>]),
         request_tokens: i64,
     ) {
         let now_ms = ctx.now_ms;
@@ -607,7 +708,7 @@ impl CacheIndex {
             .iter()
             .map(|c| c.replica)
             .find(named)
-            .or_else(|| serving.iter().copied().find(named))
+            .or_else(|| serving.iter().map(|l| l.replica).find(named))
             .or_else(|| catalog.replica(&top.replica_id))
         else {
             return;
@@ -619,8 +720,8 @@ impl CacheIndex {
         let uncached = (request_tokens - matched).max(0) as u64;
         // A member's record was read with the serving set (the fleet's lock
         // is still held, so it is the same record).
-        let record = match serving.binary_search(&replica) {
-            Ok(i) => records[i],
+        let record = match serving.binary_search_by_key(&replica, |l| l.replica) {
+            Ok(i) => serving[i].record,
             Err(_) => fleet.records.get(&replica),
         };
         if let Some(record) = record {
@@ -731,7 +832,7 @@ impl CacheIndex {
         catalog: &Catalog,
         fleet: &Fleet,
         scope: Option<&std::sync::Arc<Scope>>,
-        serving: &Serving,
+        serving: &[Live<'_>],
     ) -> Vec<ReplicaScore> {
         let policy = ctx.policy;
         let max_age_ms = policy.tenant_hot_max_age.as_millis() as f64;
@@ -744,7 +845,10 @@ impl CacheIndex {
         let records = &fleet.records;
         let mut scores = Vec::new();
         for (replica, _) in scope.serving() {
-            if serving.binary_search(&replica).is_err() {
+            if serving
+                .binary_search_by_key(&replica, |l| l.replica)
+                .is_err()
+            {
                 continue;
             }
             let Some(record) = records.get(&replica) else {
@@ -809,15 +913,17 @@ impl CacheIndex {
         &self,
         policy: &CachePolicy,
         catalog: &Catalog,
-        serving: &Serving,
+        serving: &[Live<'_>],
         chain: Option<Chain<'_>>,
         prefix_hash: &[u8],
     ) -> Option<ReplicaScore> {
         if !policy.affinity_routing {
             return None;
         }
-        let mut replicas: Vec<&std::sync::Arc<str>> =
-            serving.iter().map(|&r| catalog.replica_str(r)).collect();
+        let mut replicas: Vec<&std::sync::Arc<str>> = serving
+            .iter()
+            .map(|l| catalog.replica_str(l.replica))
+            .collect();
         if replicas.is_empty() {
             return None;
         }

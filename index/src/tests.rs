@@ -1040,3 +1040,30 @@ fn block_chains_of_any_width_match_like_their_bytes() {
     let o = f.index.lookup(&r);
     assert_eq!((o.reason, ids(&o)), (Reason::PrefixMatch, vec!["A"]));
 }
+
+#[test]
+fn a_lookup_sees_names_as_they_come_and_go() {
+    // The same request, asked again and again on one thread, before its
+    // names exist, while they do, after they are freed and once they are
+    // interned again under new ids.
+    let f = fixture();
+    let blocks = chain(0..4);
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::NoHint);
+    f.hold("A", &blocks);
+    assert_eq!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
+    assert_eq!(ids(&f.lookup_chain(&blocks)), ["A"]);
+    f.index.publish(&CacheEvent {
+        kind: EventKind::AllCleared,
+        replica_id: "A".into(),
+        model_id: String::new(),
+        tenant_id: String::new(),
+        prefix_hash: Vec::new(),
+        adapter_id: String::new(),
+    });
+    let report = f.index.sweep();
+    assert!(report.partitions_freed >= 1, "{report:?}");
+    assert!(report.names_freed >= 1, "{report:?}");
+    assert_ne!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
+    f.hold("B", &blocks);
+    assert_eq!(ids(&f.lookup_chain(&blocks)), ["B"]);
+}
