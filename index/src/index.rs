@@ -373,7 +373,7 @@ impl CacheIndex {
         report.entries_added = written.holding.added.max(0) as u64;
         report.entries_refused = written.holding.refused;
         if report.entries_added > 0
-            && let Some(record) = self.fleet.read().records.get(&written.replica)
+            && let Some(record) = self.fleet.read().records.get(written.replica)
         {
             record.note_churn(now_ms, report.entries_added, 0);
         }
@@ -723,7 +723,7 @@ impl CacheIndex {
         {
             // A known heartbeating member only moves its last-heard time.
             let fleet = self.fleet.read();
-            if let Some(record) = fleet.records.get(&replica)
+            if let Some(record) = fleet.records.get(replica)
                 && pair.is_none_or(|[tenant, model]| {
                     record.heartbeats()
                         && fleet
@@ -823,7 +823,7 @@ impl CacheIndex {
         drop(w);
         let removed = -deltas.total_entries() as u64;
         if removed > 0
-            && let Some(record) = self.fleet.read().records.get(&replica)
+            && let Some(record) = self.fleet.read().records.get(replica)
         {
             record.note_churn(self.now_ms(), 0, removed);
         }
@@ -924,7 +924,7 @@ impl CacheIndex {
         let mut out: Vec<ReplicaState> = held
             .iter()
             .map(|(&r, &entries)| {
-                let record = fleet.records.get(&r);
+                let record = fleet.records.get(r);
                 ReplicaState {
                     replica_id: catalog.replica_str(r).to_string(),
                     stats: record.and_then(|x| x.stats.clone()),
@@ -988,12 +988,12 @@ impl CacheIndex {
                 row.0.entry_count += p.entries.load(Ordering::Relaxed);
             }
         }
-        for &r in self
+        for r in self
             .fleet
             .read()
             .records
-            .keys()
-            .filter(|&&r| catalog.replica_alive(r))
+            .ids()
+            .filter(|&r| catalog.replica_alive(r))
         {
             held.entry(r).or_insert(0);
         }

@@ -98,13 +98,19 @@ impl Candidates {
     /// sorted by replica id (candidates come from rows, which are), so this
     /// is one merge pass.
     fn retain_live(&mut self, serving: &[Live<'_>]) {
-        let mut at = 0;
-        self.list.retain(|c| {
-            while at < serving.len() && serving[at].replica < c.replica {
+        let (mut at, mut kept) = (0, 0);
+        let list = self.list.as_mut_slice();
+        for i in 0..list.len() {
+            let replica = list[i].replica;
+            while at < serving.len() && serving[at].replica < replica {
                 at += 1;
             }
-            at < serving.len() && serving[at].replica == c.replica
-        });
+            if at < serving.len() && serving[at].replica == replica {
+                list[kept] = list[i];
+                kept += 1;
+            }
+        }
+        self.list.truncate(kept);
     }
 
     pub(crate) fn as_slice(&self) -> &[Candidate] {
@@ -672,7 +678,7 @@ impl CacheIndex {
             }
             // The record is read once: for liveness here, for the member's
             // load and the hinted prefill later.
-            let record = fleet.records.get(&member.replica);
+            let record = fleet.records.get(member.replica);
             Fleet::record_live(record, now_ms, timeout_ms, || {
                 scope.is_some_and(|s| s.holds(member.replica))
             })
@@ -722,7 +728,7 @@ impl CacheIndex {
         // is still held, so it is the same record).
         let record = match serving.binary_search_by_key(&replica, |l| l.replica) {
             Ok(i) => serving[i].record,
-            Err(_) => fleet.records.get(&replica),
+            Err(_) => fleet.records.get(replica),
         };
         if let Some(record) = record {
             record.add_pending(uncached);
@@ -799,7 +805,7 @@ impl CacheIndex {
             let freshness = ctx.freshness(c.oldest_seen);
             let score = c.matched as f64
                 * freshness
-                * ctx.pressure_factor(records.get(&c.replica))
+                * ctx.pressure_factor(records.get(c.replica))
                 * ctx.slo_bias(freshness)
                 * power;
             let denominator = if request_tokens > 0 {
@@ -851,7 +857,7 @@ impl CacheIndex {
             {
                 continue;
             }
-            let Some(record) = records.get(&replica) else {
+            let Some(record) = records.get(replica) else {
                 continue;
             };
             let Some(stats) = record.stats.as_ref() else {

@@ -198,8 +198,7 @@ impl CacheIndex {
         // that raced it) go, with their memberships.
         let dead: Vec<ReplicaId> = fleet
             .records
-            .keys()
-            .copied()
+            .ids()
             .filter(|&r| !catalog.replica_alive(r))
             .collect();
         for r in dead {
@@ -208,7 +207,7 @@ impl CacheIndex {
         fleet.shrink();
         w.shrink();
         catalog.free_unused(
-            |replica| w.holds_any(replica) || fleet.records.contains_key(&replica),
+            |replica| w.holds_any(replica) || fleet.records.contains(replica),
             |[tenant, model]| {
                 let members = fleet.members(tenant, model);
                 (!members.is_empty()).then(|| {
