@@ -256,7 +256,7 @@ struct CostView {
 
 fn cost_view(
     policy: &CachePolicy,
-    members: &mut Members,
+    members: &mut [MemberCost],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -351,7 +351,7 @@ pub(crate) fn rank_by_cost(
     ctx: &Ctx<'_>,
     catalog: &Catalog,
     fleet: &Fleet,
-    members: &mut Members,
+    members: &mut [MemberCost],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -440,7 +440,7 @@ pub(crate) fn rank_by_cost(
 pub(crate) fn bounded_affinity(
     policy: &CachePolicy,
     catalog: &Catalog,
-    members: &mut Members,
+    members: &mut [MemberCost],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     seed_block: usize,

@@ -1036,18 +1036,19 @@ fn walk_chain(
         // sum their part.
         let tokens = Tokens::of(&counts[i..i + m]);
         let mut any = false;
+        let rows = body.rows();
         if i == 0 {
-            cands.reserve(body.row_count());
-            for row in 0..body.row_count() {
+            cands.reserve(rows.len());
+            for &row in rows {
                 let mut c = Candidate {
-                    replica: body.replica(row),
+                    replica: row.replica,
                     matched: 0,
                     blocks: 0,
                     oldest_seen: u32::MAX,
                     tier: 0,
                     active: true,
                 };
-                extend(&mut c, body.held_stretch(row, pos, pos + m), &tokens);
+                extend(&mut c, body.row_stretch(row, pos, pos + m), &tokens);
                 if c.blocks > 0 {
                     any |= c.active;
                     cands.push(c);
@@ -1057,13 +1058,16 @@ fn walk_chain(
                 return Matched::Miss;
             }
         } else {
-            // Candidates and rows are both sorted by replica id.
-            let mut from = 0;
+            // Candidates and rows are both sorted by replica id: one merge.
+            let mut at = 0;
             for c in cands.as_mut_slice().iter_mut().filter(|c| c.active) {
-                match body.row_from(c.replica, from) {
-                    Some(row) => {
-                        from = row + 1;
-                        extend(c, body.held_stretch(row, pos, pos + m), &tokens);
+                while at < rows.len() && rows[at].replica < c.replica {
+                    at += 1;
+                }
+                match rows.get(at).filter(|r| r.replica == c.replica) {
+                    Some(&row) => {
+                        at += 1;
+                        extend(c, body.row_stretch(row, pos, pos + m), &tokens);
                         any |= c.active;
                     }
                     None => c.active = false,

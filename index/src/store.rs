@@ -398,7 +398,7 @@ fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
     }
 }
 
-/// A row's leading stretch of held cells (see [`Body::held_stretch`]).
+/// A row's leading stretch of held cells (see [`Body::row_stretch`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Stretch {
     /// Held cells from the first position on.
@@ -416,8 +416,8 @@ type Rows = SmallVec<[Row; 4]>;
 
 /// One row: a replica and the slot of its cells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Row {
-    replica: ReplicaId,
+pub(crate) struct Row {
+    pub replica: ReplicaId,
     slot: u32,
 }
 
@@ -488,6 +488,12 @@ impl Body {
         self.rows.len()
     }
 
+    /// The rows, sorted by replica id: a walk over them reads the list
+    /// once rather than indexing it per row.
+    pub fn rows(&self) -> &[Row] {
+        &self.rows
+    }
+
     /// Row index of `replica`, searching from row `from` on.
     pub fn row_from(&self, replica: ReplicaId, from: usize) -> Option<usize> {
         let rest = self.rows.get(from..)?;
@@ -520,11 +526,11 @@ impl Body {
             .map(|c| Cell(c.load(Ordering::Relaxed)))
     }
 
-    /// The held stretch of row `row` over positions `from..to`: how many
+    /// The held stretch of `row` over positions `from..to`: how many
     /// cells from `from` on are held (the first one not held ends it), their
     /// oldest last-seen second and their coldest (highest) tier.
-    pub fn held_stretch(&self, row: usize, from: usize, to: usize) -> Stretch {
-        let slot = self.rows[row].slot as usize;
+    pub fn row_stretch(&self, row: Row, from: usize, to: usize) -> Stretch {
+        let slot = row.slot as usize;
         // Inside the slot's prefix the stretch is known from its first cell.
         let word = self.data.prefix(slot);
         let prefix = Prefix(word.load(Ordering::Acquire));
@@ -553,7 +559,7 @@ impl Body {
         self.scan_stretch(slot, from, to)
     }
 
-    /// [`held_stretch`](Self::held_stretch) read cell by cell.
+    /// [`row_stretch`](Self::row_stretch) read cell by cell.
     fn scan_stretch(&self, slot: usize, from: usize, to: usize) -> Stretch {
         let cells = self.data.cells(slot, from, to);
         // Four lanes, so the min / max chains do not wait on each other.
@@ -1587,7 +1593,7 @@ mod tests {
         let row = body.row(7).expect("a row");
         let slot = body.rows[row].slot as usize;
         for (from, to) in [(0, 1), (0, 30), (1, 30), (5, 29), (0, 64)] {
-            let fast = body.held_stretch(row, pos + from, pos + to);
+            let fast = body.row_stretch(body.rows()[row], pos + from, pos + to);
             let slow = body.scan_stretch(slot, pos + from, pos + to);
             assert_eq!(
                 (fast.blocks, fast.oldest, fast.tier, fast.ended),
