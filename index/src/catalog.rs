@@ -336,7 +336,7 @@ impl Catalog {
     /// `a`'s name sorts before `b`'s), so that ranking breaks ties by name
     /// without comparing strings. Keys are spread over the `u64` range; a new
     /// name takes the middle of its neighbours' gap, and all are spread again
-    /// when a gap runs out. 0 for a freed id.
+    /// when a gap runs out. 0 only for a freed id.
     pub fn replica_order(&self, id: ReplicaId) -> u64 {
         self.replica_list.get(id).map_or(0, |r| r.order)
     }

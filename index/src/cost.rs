@@ -141,11 +141,10 @@ impl MemberLoads {
         &mut self,
         index: &CacheIndex,
         ctx: &Ctx<'_>,
-        catalog: &Catalog,
         serving: &[Live<'_>],
     ) -> &mut Members {
         if !self.read {
-            index.member_loads(ctx, catalog, serving, &mut self.members);
+            index.member_loads(ctx, serving, &mut self.members);
             self.read = true;
         }
         &mut self.members
@@ -171,13 +170,7 @@ impl CacheIndex {
     }
 
     /// Load of every live member, in prefill tokens (see the module notes).
-    fn member_loads(
-        &self,
-        ctx: &Ctx<'_>,
-        catalog: &Catalog,
-        serving: &[Live<'_>],
-        members: &mut Members,
-    ) {
+    fn member_loads(&self, ctx: &Ctx<'_>, serving: &[Live<'_>], members: &mut Members) {
         let policy = ctx.policy;
         let mean_tokens = self.mean_request_tokens();
         let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
@@ -185,7 +178,12 @@ impl CacheIndex {
         members.clear();
         let (mut known_sum, mut known) = (0.0, 0u32);
         members.reserve(serving.len());
-        for &Live { replica, record } in serving {
+        for &Live {
+            replica,
+            record,
+            order,
+        } in serving
+        {
             let queued = record.and_then(|r| {
                 let stats = r.stats.as_ref()?;
                 (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
@@ -219,7 +217,7 @@ impl CacheIndex {
                 load_known: queued.is_some(),
                 assigned: record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms)),
                 churn: record.map_or(0.0, |r| r.churn(ctx.now_ms)),
-                order: catalog.replica_order(replica),
+                order,
                 ..MemberCost::default()
             });
         }

@@ -51,6 +51,8 @@ const INLINE: usize = 16;
 pub(crate) struct Live<'f> {
     pub replica: ReplicaId,
     pub record: Option<&'f ReplicaRecord>,
+    /// Its name's place among the replicas' (`Catalog::replica_order`).
+    pub order: u64,
 }
 
 /// Live members of a lookup's serving set, sorted by replica id.
@@ -462,7 +464,7 @@ impl CacheIndex {
         }
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
-            loads.get(self, &scene.ctx, &catalog, &scene.serving);
+            loads.get(self, &scene.ctx, &scene.serving);
         }
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, &mut cands);
@@ -561,7 +563,7 @@ impl CacheIndex {
                 self.rank_prefix_match(ctx, catalog, fleet, serving.len(), cands, request_tokens)
             }
             (Matched::Hits, Ranker::CostAware) => {
-                let members = loads.get(self, ctx, catalog, serving);
+                let members = loads.get(self, ctx, serving);
                 rank_by_cost(
                     ctx,
                     catalog,
@@ -625,7 +627,7 @@ impl CacheIndex {
                         self.affinity(policy, catalog, serving, chain, req.prefix_hash)
                     }
                     Ranker::CostAware => {
-                        let members = loads.get(self, ctx, catalog, serving);
+                        let members = loads.get(self, ctx, serving);
                         bounded_affinity(
                             policy,
                             catalog,
@@ -672,8 +674,9 @@ impl CacheIndex {
         scene.serving.reserve(members.len());
         scene.serving.extend(members.iter().filter_map(|member| {
             // An id freed by a sweep while a membership was being written
-            // is never named.
-            if !(member.serves(scheme) && catalog.replica_alive(member.replica)) {
+            // is never named (it has no order key).
+            let order = catalog.replica_order(member.replica);
+            if order == 0 || !member.serves(scheme) {
                 return None;
             }
             // The record is read once: for liveness here, for the member's
@@ -685,6 +688,7 @@ impl CacheIndex {
             .then_some(Live {
                 replica: member.replica,
                 record,
+                order,
             })
         }));
     }
