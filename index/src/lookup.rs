@@ -354,6 +354,45 @@ impl ResolveMemo {
     }
 }
 
+/// Live members of the request's `(tenant, model)` that serve its hash
+/// scheme, sorted by replica id (see the `fleet` module for liveness).
+fn serving_set<'f>(
+    ctx: &Ctx<'_>,
+    catalog: &Catalog,
+    fleet: &'f Fleet,
+    at: &Resolved<'_>,
+    serving: &mut Serving<'f>,
+) {
+    let (Some(tenant), Some(model)) = (at.names.tenant, at.names.model) else {
+        return;
+    };
+    let (scheme, scope) = (at.names.scheme, at.scope);
+    let now_ms = ctx.now_ms;
+    let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
+    // Members are kept sorted by replica id, and so is the set.
+    let members = fleet.members(tenant, model);
+    serving.reserve(members.len());
+    serving.extend(members.iter().filter_map(|member| {
+        // An id freed by a sweep while a membership was being written is
+        // never named (it has no order key).
+        let order = catalog.replica_order(member.replica);
+        if order == 0 || !member.serves(scheme) {
+            return None;
+        }
+        // The record is read once: for liveness here, for the member's load
+        // and the hinted prefill later.
+        let record = fleet.records.get(member.replica);
+        Fleet::record_live(record, now_ms, timeout_ms, || {
+            scope.is_some_and(|s| s.holds(member.replica))
+        })
+        .then_some(Live {
+            replica: member.replica,
+            record,
+            order,
+        })
+    }));
+}
+
 /// Why the answer is what it is, and the ranking after the
 /// minimumPrefixTokens gate (which downgrades a hint for a short request).
 fn decide(
@@ -412,7 +451,7 @@ struct Scene<'a, 'r> {
     fleet: &'a Fleet,
     admitted: Admitted<'r>,
     at: Resolved<'a>,
-    serving: Serving<'a>,
+    serving: &'a [Live<'a>],
 }
 
 impl CacheIndex {
@@ -445,16 +484,17 @@ impl CacheIndex {
         if let Some(key) = &first {
             reader.touch(key);
         }
-        let mut scene = Scene {
+        let mut serving = Serving::new();
+        serving_set(&ctx, &catalog, &fleet, &at, &mut serving);
+        let scene = Scene {
             req,
             ctx,
             catalog: &catalog,
             fleet: &fleet,
             admitted,
             at,
-            serving: Serving::new(),
+            serving: &serving,
         };
-        self.serving_set(&mut scene);
         // Then start loading the body of the first block's run; the
         // members' loads (the cost-aware ranker reads every member's load
         // once, for the ranking and for the fallback alike) are read while
@@ -464,7 +504,7 @@ impl CacheIndex {
         }
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
-            loads.get(self, &scene.ctx, &scene.serving);
+            loads.get(self, &scene.ctx, scene.serving);
         }
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, &mut cands);
@@ -482,12 +522,13 @@ impl CacheIndex {
                 &fleet,
                 &scene.ctx,
                 &outcome,
-                (cands.as_slice(), &scene.serving),
+                (cands.as_slice(), scene.serving),
                 scene.admitted.request_tokens,
             );
         }
         let (part, chain) = (scene.at.part, scene.admitted.chain);
         drop(scene);
+        drop(serving);
         drop(fleet);
         // An LFU policy credits the blocks of a PREFIX_MATCH.
         if outcome.reason == Reason::PrefixMatch
@@ -533,7 +574,7 @@ impl CacheIndex {
         }
         // A replica that left or went silent is never named, and its
         // entries stop counting.
-        cands.retain_live(&scene.serving);
+        cands.retain_live(scene.serving);
         if cands.as_slice().is_empty() {
             matched = Matched::Miss;
         }
@@ -655,42 +696,6 @@ impl CacheIndex {
                 }
             }
         }
-    }
-
-    /// Live members of the request's `(tenant, model)` that serve its hash
-    /// scheme, sorted by replica id, into the scene (see the `fleet` module
-    /// for liveness).
-    fn serving_set(&self, scene: &mut Scene<'_, '_>) {
-        let (Some(tenant), Some(model)) = (scene.at.names.tenant, scene.at.names.model) else {
-            return;
-        };
-        let (catalog, fleet, scope) = (scene.catalog, scene.fleet, scene.at.scope);
-        let scheme = scene.at.names.scheme;
-        let now_ms = scene.ctx.now_ms;
-        let timeout_ms =
-            u64::try_from(scene.ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
-        // Members are kept sorted by replica id, and so is the set.
-        let members = fleet.members(tenant, model);
-        scene.serving.reserve(members.len());
-        scene.serving.extend(members.iter().filter_map(|member| {
-            // An id freed by a sweep while a membership was being written
-            // is never named (it has no order key).
-            let order = catalog.replica_order(member.replica);
-            if order == 0 || !member.serves(scheme) {
-                return None;
-            }
-            // The record is read once: for liveness here, for the member's
-            // load and the hinted prefill later.
-            let record = fleet.records.get(member.replica);
-            Fleet::record_live(record, now_ms, timeout_ms, || {
-                scope.is_some_and(|s| s.holds(member.replica))
-            })
-            .then_some(Live {
-                replica: member.replica,
-                record,
-                order,
-            })
-        }));
     }
 
     /// Counts the prefill a cost-aware hint sends to its replica as load
