@@ -527,7 +527,6 @@ impl CacheIndex {
             );
         }
         let (part, chain) = (scene.at.part, scene.admitted.chain);
-        drop(scene);
         drop(serving);
         drop(fleet);
         // An LFU policy credits the blocks of a PREFIX_MATCH.
