@@ -613,13 +613,30 @@ impl Body {
         if self.data.wide.is_none() {
             let stored = &self.data.words[HEAD + pos + 1..HEAD + len];
             if let BlockHashes::Narrow(words) = request {
-                // Both sides are arrays of words: one compare per block.
+                // Both sides are arrays of words: four blocks are compared
+                // with one branch (their differences or-ed together), the
+                // last few and the one that differs one by one.
                 let asked = &words[at + 1..];
-                return 1 + stored
-                    .iter()
-                    .zip(asked)
-                    .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
-                    .count();
+                let n = stored.len().min(asked.len());
+                let (stored, asked) = (&stored[..n], &asked[..n]);
+                let mut k = 0;
+                for (s, w) in stored.chunks_exact(4).zip(asked.chunks_exact(4)) {
+                    let differ = (s[0].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[0]))
+                        | (s[1].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[1]))
+                        | (s[2].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[2]))
+                        | (s[3].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[3]));
+                    if differ != 0 {
+                        break;
+                    }
+                    k += 4;
+                }
+                return 1
+                    + k
+                    + stored[k..]
+                        .iter()
+                        .zip(&asked[k..])
+                        .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
+                        .count();
             }
             while at + m < n && m <= stored.len() {
                 let HashRef::Narrow(word) = request.hash(at + m) else {
