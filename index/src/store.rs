@@ -1561,6 +1561,34 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_request_follows_a_run_exactly_as_far_as_its_hashes_agree() {
+        let store = Store::default();
+        let mut w = store.write();
+        w.hold(1, &keys(1, 0..64), claim(7, 100), &mut holding(1000));
+        drop(w);
+        let reader = store.reader();
+        for from in [0u64, 1, 3, 17, 60] {
+            let (body, pos) = reader
+                .locate(1, &Key::new(1, HashRef::Narrow(from)))
+                .expect("stored");
+            let body = body.as_ref().expect("located body");
+            let len = body.len();
+            for agree in 1..=(64 - from as usize) {
+                // Two blocks of the request before the run's, then `agree`
+                // of the run's, then one that differs and the run's again.
+                let mut hashes: Vec<Vec<u8>> = vec![999u64.to_be_bytes().to_vec(); 2];
+                hashes.extend((from..from + agree as u64).map(|h| h.to_be_bytes().to_vec()));
+                hashes.push(5_000u64.to_be_bytes().to_vec());
+                hashes.extend((from + agree as u64 + 1..64).map(|h| h.to_be_bytes().to_vec()));
+                let chain =
+                    crate::BlockChain::new(&hashes, vec![16; hashes.len()]).expect("a chain");
+                let followed = body.follow(pos, len, &chain.hashes, 2);
+                assert_eq!(followed, agree, "from {from}, agreeing for {agree}");
+            }
+        }
+    }
+
     /// Length of `replica`'s prefix word in the run holding key `h`.
     fn prefix_len(store: &Store, part: PartitionId, h: u64, replica: ReplicaId) -> usize {
         let reader = store.reader();
