@@ -89,6 +89,8 @@ struct Row {
     p99_ns: u64,
     p999_ns: u64,
     busy: Busy,
+    /// The store's match step alone (ours; kv-index's lookup is one).
+    matched: Option<[u64; 3]>,
 }
 
 /// Lookups timed while another thread ingests.
@@ -199,6 +201,19 @@ fn ours(work: &Workload) -> Row {
     }
     assert_eq!(hits, LOOKUPS, "every lookup must find its chain");
     samples.sort_unstable();
+    // The same requests through the store's match step alone.
+    let mut match_samples = Vec::with_capacity(LOOKUPS);
+    for c in lookup_order(work.chains.len(), LOOKUPS) {
+        let decoded = work.block_chains[c].clone();
+        let mut r = LookupRequest::new("tenant", "model", "vllm");
+        r.chain = ChainInput::Wire(&decoded);
+        let t = Instant::now();
+        let found = black_box(index.match_chain(&r));
+        match_samples.push(t.elapsed().as_nanos() as u64);
+        assert!(!found.is_empty(), "every match must find its chain");
+    }
+    match_samples.sort_unstable();
+    let matched = Some([0.5, 0.99, 0.999].map(|q| percentile(&match_samples, q)));
     // Another replica warms the same prefixes while lookups run, and is
     // cleared after every pass over the feed.
     let feed: Vec<CacheUpdate> = work
@@ -245,6 +260,7 @@ fn ours(work: &Workload) -> Row {
         p99_ns: percentile(&samples, 0.99),
         p999_ns: percentile(&samples, 0.999),
         busy,
+        matched,
     }
 }
 
@@ -331,6 +347,7 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         p99_ns: percentile(&samples, 0.99),
         p999_ns: percentile(&samples, 0.999),
         busy,
+        matched: None,
     }
 }
 
@@ -441,6 +458,31 @@ fn main() {
             r.busy.p999_ns as f64 / 1e3,
             r.busy.ingest_per_sec / 1e6,
             r.busy.p99_ns as f64 / r.p99_ns as f64,
+        );
+    }
+    println!();
+    println!(
+        "| store match step (no liveness, ranking or names) | block-replica entries | holders/block | p50 | p99 | p99.9 | p50 / kv-index | p99 / kv-index | p99.9 / kv-index |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for pair in busy_rows.chunks(2) {
+        let Some(m) = pair[0].matched else { continue };
+        let peer = pair.get(1).map(|k| [k.p50_ns, k.p99_ns, k.p999_ns]);
+        let ratio = |i: usize| {
+            peer.map_or("–".into(), |p| {
+                format!("{:.2}×", m[i] as f64 / p[i] as f64)
+            })
+        };
+        println!(
+            "| inference-cache-index `match_chain` | {} | {} | {:.2} µs | {:.2} µs | {:.2} µs | {} | {} | {} |",
+            pair[0].entries,
+            pair[0].holders,
+            m[0] as f64 / 1e3,
+            m[1] as f64 / 1e3,
+            m[2] as f64 / 1e3,
+            ratio(0),
+            ratio(1),
+            ratio(2),
         );
     }
     println!();

@@ -14,6 +14,7 @@
 //! INDEX=kv-index valgrind --tool=callgrind --toggle-collect='*ChainIndex*find_matches*' \
 //!   target/release/examples/lookup_profile
 //! # ingest: --toggle-collect='*CacheIndex*ingest*' / '*ChainIndex*apply_stored*'
+//! # the store's match step alone: OP=match, --toggle-collect='*CacheIndex*match_chain*'
 //! ```
 
 #[path = "../benches/support/mod.rs"]
@@ -48,12 +49,18 @@ fn main() {
     for u in work.updates() {
         index.ingest(&u);
     }
+    // `OP=match`: the store's match step alone (`match_chain`).
+    let match_only = std::env::var("OP").is_ok_and(|v| v == "match");
     let mut c = 0usize;
     let mut hits = 0usize;
     for _ in 0..LOOKUPS {
         c = (c + 7919) % work.chains.len();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
         request.chain = ChainInput::Wire(&work.block_chains[c]);
+        if match_only {
+            hits += usize::from(!black_box(index.match_chain(&request)).is_empty());
+            continue;
+        }
         let outcome = black_box(index.lookup(&request));
         hits += usize::from(matches!(
             outcome.reason,

@@ -67,9 +67,9 @@ pub use index::{CacheIndex, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_HOLDERS_PER_KEY};
 pub use lookup::{affinity_digest, pick_affinity};
 pub use messages::{
     BlockChain, CacheEvent, CacheSummary, CacheUpdate, ChainInput, Decision, DropReason, EventKind,
-    EventReport, EvictionReason, IngestReport, LookupOutcome, LookupRequest, PROBE_TENANT,
-    PrefixReport, Reason, ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState, Snapshot,
-    SweepReport, TenantSnapshot, Tier,
+    EventReport, EvictionReason, HolderMatch, IngestReport, LookupOutcome, LookupRequest,
+    PROBE_TENANT, PrefixReport, Reason, ReplicaScore, ReplicaState, ReplicaStatsReport, ScopeState,
+    Snapshot, SweepReport, TenantSnapshot, Tier,
 };
 pub use policy::{
     AffinityAlgorithm, CachePolicy, DEFAULT_NAMESPACE, Eviction, PolicyError, PolicySet, Ranker,

@@ -34,8 +34,8 @@ use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
-    BlockChain, Chain, ChainInput, Decision, LookupOutcome, LookupRequest, PROBE_TENANT, Reason,
-    ReplicaScore, Tier,
+    BlockChain, Chain, ChainInput, Decision, HolderMatch, LookupOutcome, LookupRequest,
+    PROBE_TENANT, Reason, ReplicaScore, Tier,
 };
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
@@ -544,6 +544,41 @@ impl CacheIndex {
             );
         }
         outcome
+    }
+
+    /// The store's match step alone, the narrow interface between the store
+    /// and the ranking: every holder of the request chain's leading blocks
+    /// in its partition, with the length, tokens, oldest last-seen and
+    /// coldest tier of its leading run, sorted by replica id. Nothing else
+    /// of a lookup happens: no policy, liveness, ranking, names or counters.
+    /// Empty without a chain or for a partition never seen.
+    pub fn match_chain(&self, req: &LookupRequest<'_>) -> Vec<HolderMatch> {
+        let Some(chain) = req.chain.chain().filter(|c| !c.is_empty()) else {
+            return Vec::new();
+        };
+        let Some(part) = resolve(&self.catalog.read(), req).part else {
+            return Vec::new();
+        };
+        let mut cands = Candidates::new();
+        walk_chain(&self.store.reader(), part, chain, &mut cands);
+        cands
+            .as_slice()
+            .iter()
+            .map(|c| HolderMatch {
+                replica: c.replica,
+                blocks: c.blocks,
+                tokens: c.matched,
+                oldest_seen: c.oldest_seen,
+                tier: Tier::from_u8(c.tier),
+            })
+            .collect()
+    }
+
+    /// The name behind a replica id of this index (see
+    /// [`match_chain`](Self::match_chain)); `None` once it is freed.
+    pub fn replica_name(&self, replica: u32) -> Option<std::sync::Arc<str>> {
+        let catalog = self.catalog.read();
+        (catalog.replica_order(replica) != 0).then(|| catalog.replica_str(replica).clone())
     }
 
     /// Matching: every live holder of the chain's leading blocks (or of the

@@ -538,6 +538,22 @@ pub struct ReplicaScore {
     pub tier: Tier,
 }
 
+/// One holder of a chain's leading blocks as the store's match step finds
+/// it: before liveness, ranking and names (see [`crate::CacheIndex::match_chain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HolderMatch {
+    /// The replica's id in this index ([`crate::CacheIndex::replica_name`]).
+    pub replica: u32,
+    /// Leading blocks of the chain it holds.
+    pub blocks: u32,
+    /// Their tokens.
+    pub tokens: i64,
+    /// Oldest last-seen second among them (the weakest link).
+    pub oldest_seen: u32,
+    /// Coldest tier among them.
+    pub tier: Tier,
+}
+
 /// What decided a lookup's answer, next to its reason code: a small, fixed
 /// set, so it can label a metric and answer "why is my hit rate low" from
 /// the metrics alone.

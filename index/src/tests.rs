@@ -1067,3 +1067,78 @@ fn a_lookup_sees_names_as_they_come_and_go() {
     f.hold("B", &blocks);
     assert_eq!(ids(&f.lookup_chain(&blocks)), ["B"]);
 }
+
+#[test]
+fn the_match_step_reports_every_holder_s_leading_run_before_ranking() {
+    let f = fixture();
+    let blocks = chain(1..9);
+    f.hold("A", &blocks[..6]);
+    f.hold("B", &blocks[..3]);
+    f.clock.advance(Duration::from_secs(30));
+    // C holds everything but block 4: its run ends at the hole.
+    f.hold("C", &blocks);
+    f.index.publish(&CacheEvent {
+        kind: EventKind::PrefixEvicted,
+        replica_id: "C".into(),
+        tenant_id: T.into(),
+        model_id: M.into(),
+        prefix_hash: blocks[4].clone(),
+        adapter_id: String::new(),
+    });
+    f.hold("D", &blocks[1..]);
+    let counts = vec![64; blocks.len()];
+    let typed = BlockChain::new(&blocks, counts).expect("a valid chain");
+    let mut r = LookupRequest::new(T, M, S);
+    r.chain = ChainInput::Wire(&typed);
+    let found: Vec<(String, u32, i64)> = f
+        .index
+        .match_chain(&r)
+        .iter()
+        .map(|m| {
+            let name = f.index.replica_name(m.replica).expect("a live id");
+            (name.to_string(), m.blocks, m.tokens)
+        })
+        .collect();
+    let mut sorted = found.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            ("A".into(), 6, 384),
+            ("B".into(), 3, 192),
+            ("C".into(), 4, 256)
+        ],
+        "D lacks block 0"
+    );
+    let c = f
+        .index
+        .match_chain(&r)
+        .into_iter()
+        .find(|m| m.blocks == 4)
+        .expect("C");
+    let a = f
+        .index
+        .match_chain(&r)
+        .into_iter()
+        .find(|m| m.blocks == 6)
+        .expect("A");
+    assert_eq!(c.oldest_seen, a.oldest_seen + 30, "C reported 30 s later");
+    assert_eq!(c.tier, Tier::T1);
+    // The lookup ranks exactly these runs.
+    let o = f.index.lookup(&r);
+    let mut ranked: Vec<(String, i32)> = o
+        .scores
+        .iter()
+        .map(|s| (s.replica_id.to_string(), s.matched_tokens))
+        .collect();
+    ranked.sort();
+    assert_eq!(
+        ranked,
+        [("A".into(), 384), ("B".into(), 192), ("C".into(), 256)]
+    );
+    // Nothing for a chain of another partition, or no chain at all.
+    let mut other = LookupRequest::new(T, M, "sglang");
+    other.chain = ChainInput::Wire(&typed);
+    assert!(f.index.match_chain(&other).is_empty());
+    assert!(f.index.match_chain(&LookupRequest::new(T, M, S)).is_empty());
+}
