@@ -571,3 +571,29 @@ fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ordered_bits;
+
+    #[test]
+    fn ordered_bits_sort_as_total_cmp() {
+        let mut values = [
+            3.5,
+            -0.0,
+            0.0,
+            f64::INFINITY,
+            -2.0,
+            1e-300,
+            f64::MAX,
+            -f64::INFINITY,
+            12_345.678,
+            2.0,
+            -1e-300,
+        ];
+        let mut by_bits = values;
+        values.sort_by(f64::total_cmp);
+        by_bits.sort_by_key(|&x| ordered_bits(x));
+        assert_eq!(values.map(f64::to_bits), by_bits.map(f64::to_bits));
+    }
+}
