@@ -363,6 +363,71 @@ impl RunData {
         &self.cells(slot, pos, pos + 1)[0]
     }
 
+    /// Sets slot `slot`'s cells at `from..to` to held cells at `tier`, last
+    /// seen `last_seen` (writer only): a cell that was held keeps its access
+    /// count, one that was not starts at 0 and its position goes to `fresh`
+    /// before it is written. One check keeps the slot's [`Prefix`] true
+    /// for the whole stretch: if the first write would break it, it is cut
+    /// to `from` first; each later write follows a cell just written with
+    /// the same second and tier, and the old cells after the first are not
+    /// older than the one after it, so none of them breaks it. A prefix
+    /// that reaches the stretch is lengthened over it afterwards.
+    fn set_stretch(
+        &self,
+        slot: usize,
+        from: usize,
+        to: usize,
+        last_seen: u32,
+        tier: u8,
+        mut fresh: impl FnMut(usize),
+    ) {
+        let cells = self.cells(slot, 0, self.cap());
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
+        let n = prefix.len();
+        if from < n {
+            let seen = |p: usize| Cell(cells[p].load(Ordering::Relaxed)).last_seen();
+            let keeps = tier == prefix.tier()
+                && (from == 0 || seen(from - 1) <= last_seen)
+                && (from + 1 >= n || last_seen <= seen(from + 1));
+            if !keeps {
+                word.store(prefix.cut(from).0, Ordering::Relaxed);
+            }
+        }
+        for (pos, c) in (from..).zip(&cells[from..to]) {
+            let old = Cell(c.load(Ordering::Relaxed));
+            let access = if old.held() {
+                old.access()
+            } else {
+                fresh(pos);
+                0
+            };
+            // `Release`: a reader that sees this cell sees a cut prefix.
+            c.store(Cell::new(last_seen, tier, access).0, Ordering::Release);
+        }
+        self.join_prefix(slot, from, to, last_seen, tier);
+    }
+
+    /// Lengthens slot `slot`'s prefix over cells `from..to`, just written
+    /// held at `tier` and `last_seen`, when it ends inside them or at their
+    /// start with a cell they may follow, and on over the held cells after
+    /// them that keep the tier and are not older (writer only).
+    fn join_prefix(&self, slot: usize, from: usize, to: usize, last_seen: u32, tier: u8) {
+        let cells = self.cells(slot, 0, self.cap());
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
+        let n = prefix.len();
+        let joins = from <= n
+            && n < to
+            && (n > from
+                || n == 0
+                || (prefix.tier() == tier
+                    && Cell(cells[n - 1].load(Ordering::Relaxed)).last_seen() <= last_seen));
+        if joins {
+            extend_over(cells, word, prefix, to, tier, last_seen);
+        }
+    }
+
     /// Lengthens slot `slot`'s prefix over the held cells after it that
     /// keep its tier and do not get older.
     fn extend_prefix(&self, slot: usize) {
@@ -375,15 +440,29 @@ impl RunData {
 fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
     let prefix = Prefix(word.load(Ordering::Relaxed));
     let start = prefix.len();
-    let (mut tier, mut last) = match start.checked_sub(1) {
+    let (tier, last) = match start.checked_sub(1) {
         Some(p) => (
             prefix.tier(),
             Cell(cells[p].load(Ordering::Relaxed)).last_seen(),
         ),
         None => (0, 0),
     };
-    let mut n = start;
-    for c in &cells[start..] {
+    extend_over(cells, word, prefix, start, tier, last);
+}
+
+/// Stores `prefix` lengthened to `from` (its last cell at `tier`, seen
+/// `last`; any tier when `from` is 0) and on over the held cells from
+/// `from` that keep the tier and are not older (writer only).
+fn extend_over(
+    cells: &[AtomicU64],
+    word: &AtomicU64,
+    prefix: Prefix,
+    from: usize,
+    mut tier: u8,
+    mut last: u32,
+) {
+    let mut n = from;
+    for c in &cells[from..] {
         let c = Cell(c.load(Ordering::Relaxed));
         if !c.held() || (n > 0 && (c.tier() != tier || c.last_seen() < last)) {
             break;
@@ -392,7 +471,7 @@ fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
         last = c.last_seen();
         n += 1;
     }
-    if n != start {
+    if n != prefix.len() {
         // `Release`: the cells it covers were written before.
         word.store(prefix.grown(n, tier).0, Ordering::Release);
     }
@@ -824,13 +903,6 @@ pub(crate) struct Claim {
     pub tier: u8,
 }
 
-/// A block no run holds yet: its key, token count and key-table slot.
-struct NewBlock<'k, 'h> {
-    key: &'k Key<'h>,
-    count: u32,
-    vacant: Vacant,
-}
-
 /// What an ingest may add and what it did.
 #[derive(Debug, Default)]
 pub(crate) struct Holding {
@@ -979,6 +1051,13 @@ impl Writing<'_> {
     }
 
     /// Records that `replica` claims `keys` (in report order) in `part`.
+    ///
+    /// A report's blocks are taken a stretch at a time: the keys a run
+    /// holds one after the other from the first one located are claimed
+    /// with one row lookup and one prefix update, and new keys that follow
+    /// one another are appended to one run, each published as it is added
+    /// (the table still needs one probe per new key, to keep every key at
+    /// one position).
     pub fn hold(
         &mut self,
         part: PartitionId,
@@ -994,33 +1073,105 @@ impl Writing<'_> {
                 table.touch(key.probe);
             }
         }
+        // Where the previous key went, and whether the stretch claimed
+        // there is known to end before the next key.
         let mut prev: Option<(u32, usize)> = None;
-        for (i, (key, count)) in keys.iter().enumerate() {
-            let next = prev
-                .and_then(|(run, pos)| {
-                    let body = self.body(run)?;
-                    (pos + 1 < body.len() && body.holds_key(pos + 1, key)).then_some((run, pos + 1))
-                })
-                .map_or_else(|| self.locate_or_vacant(part, key), Ok);
-            prev = match next {
+        let mut ended = false;
+        // The search for the next key, when the appends made it already.
+        let mut ahead = None;
+        let mut i = 0;
+        while let Some((key, _)) = keys.get(i) {
+            let next = ahead.take().unwrap_or_else(|| {
+                prev.filter(|_| !ended)
+                    .and_then(|(run, pos)| {
+                        let body = self.body(run)?;
+                        (pos + 1 < body.len() && body.holds_key(pos + 1, key))
+                            .then_some((run, pos + 1))
+                    })
+                    .map_or_else(|| self.locate_or_vacant(part, key), Ok)
+            });
+            match next {
                 Ok((run, pos)) => {
-                    self.claim_at(run, pos, *count, claim, h);
-                    Some((run, pos))
+                    let n = self.claim_from(run, pos, &keys[i..], claim, h);
+                    prev = Some((run, pos + n - 1));
+                    ended = true;
+                    i += n;
                 }
                 Err(_) if h.room <= 0 => {
                     h.refused += 1;
-                    None
+                    prev = None;
+                    i += 1;
                 }
                 Err(vacant) => {
-                    let block = NewBlock {
-                        key,
-                        count: *count,
-                        vacant,
-                    };
-                    self.add_block(part, prev, block, claim, keys.len() - i, h)
+                    let (at, n, searched) =
+                        self.add_blocks(part, prev, vacant, &keys[i..], claim, h);
+                    prev = at;
+                    ended = true;
+                    ahead = searched;
+                    i += n;
                 }
-            };
+            }
         }
+    }
+
+    /// Claims `keys[0]`, located at `run`'s position `pos`, and the keys
+    /// after it that the run holds at the positions after it; returns how
+    /// many it claimed (the run's next position does not hold the next key).
+    fn claim_from(
+        &mut self,
+        run: u32,
+        pos: usize,
+        keys: &[(Key<'_>, u32)],
+        claim: Claim,
+        h: &mut Holding,
+    ) -> usize {
+        let Some(body) = self.body(run) else {
+            return 1;
+        };
+        let len = body.len();
+        let n = 1
+            + (keys[1..].iter().zip(pos + 1..len))
+                .take_while(|((key, _), p)| body.holds_key(*p, key))
+                .count();
+        let stretch = &keys[..n];
+        // A holder may have to make room, or the room may run out: block
+        // by block (neither changes the run's hashes or length).
+        if body.row_count() >= h.max_holders.max(1) || h.room < n as i64 {
+            for (p, (_, count)) in (pos..).zip(stretch) {
+                self.claim_at(run, p, *count, claim, h);
+            }
+            return n;
+        }
+        for (p, (_, count)) in (pos..).zip(stretch) {
+            body.data.set_count(p, *count);
+        }
+        let row = match body.row(claim.replica) {
+            Some(row) => row,
+            None => match self.ensure_row(run, claim.replica) {
+                Some(row) => row,
+                None => return n,
+            },
+        };
+        // The body is borrowed, not cloned: a reference count changed per
+        // stretch costs an atomic instruction on the body's line.
+        let w = &mut *self.w;
+        let Some(body) = w.bodies.get(run as usize).and_then(Option::as_ref) else {
+            return n;
+        };
+        let slot = body.rows[row].slot as usize;
+        let (mut added, mut new_keys) = (0u32, 0i64);
+        body.data
+            .set_stretch(slot, pos, pos + n, claim.last_seen, claim.tier, |p| {
+                added += 1;
+                new_keys += i64::from(!body.held_by_any(p));
+            });
+        w.live[run as usize] += added;
+        w.entries += u64::from(added);
+        h.written += n as u64;
+        h.added += i64::from(added);
+        h.room -= i64::from(added);
+        h.new_keys += new_keys;
+        n
     }
 
     fn claim_at(&mut self, run: u32, pos: usize, count: u32, claim: Claim, h: &mut Holding) {
@@ -1105,7 +1256,7 @@ impl Writing<'_> {
         let used = data.used_rows();
         let next = if used < data.row_cap() {
             data.set_used_rows(used + 1);
-            let mut rows: Vec<Row> = body.rows.to_vec();
+            let mut rows = body.rows.clone();
             let at = rows.partition_point(|r| r.replica < replica);
             rows.insert(
                 at,
@@ -1114,12 +1265,7 @@ impl Writing<'_> {
                     slot: used as u32,
                 },
             );
-            Body::new(
-                body.part,
-                body.len(),
-                Rows::from_vec(rows),
-                body.data.clone(),
-            )
+            Body::new(body.part, body.len(), rows, body.data.clone())
         } else {
             rebuilt(body, data.cap(), Some(replica))
         };
@@ -1127,24 +1273,36 @@ impl Writing<'_> {
         self.publish(run, next).row(replica)
     }
 
-    fn add_block(
+    /// Adds `keys[0]` (absent; its search stopped at `vacant`) and the
+    /// absent keys after it to the run of the previous block when that
+    /// block ends it, else to a new run, up to the run's capacity; returns
+    /// where the last one went, how many it added and, when it searched for
+    /// the key after them, what that search found.
+    #[expect(clippy::type_complexity, reason = "one private call site")]
+    fn add_blocks(
         &mut self,
         part: PartitionId,
         prev: Option<(u32, usize)>,
-        NewBlock { key, count, vacant }: NewBlock<'_, '_>,
+        vacant: Vacant,
+        keys: &[(Key<'_>, u32)],
         claim: Claim,
-        remaining: usize,
         h: &mut Holding,
-    ) -> Option<(u32, usize)> {
+    ) -> (
+        Option<(u32, usize)>,
+        usize,
+        Option<Result<(u32, usize), Vacant>>,
+    ) {
+        let wide = keys[0].0.hash.is_wide();
         // Append to the run of the previous block when that block ends it.
         let tail = prev.filter(|&(run, pos)| {
-            self.body(run).is_some_and(|b| {
-                pos + 1 == b.len() && pos + 1 < RUN_BLOCKS && b.is_wide() == key.hash.is_wide()
-            })
+            self.body(run)
+                .is_some_and(|b| pos + 1 == b.len() && pos + 1 < RUN_BLOCKS && b.is_wide() == wide)
         });
-        let (run, pos) = match tail {
+        let (run, start) = match tail {
             Some((run, pos)) => {
-                let body = self.body(run)?;
+                let Some(body) = self.body(run) else {
+                    return (None, 1, None);
+                };
                 if pos + 1 == body.data.cap() {
                     let cap = (body.data.cap() * 2).clamp(pos + 2, RUN_BLOCKS);
                     let next = rebuilt(body, cap, None);
@@ -1155,11 +1313,11 @@ impl Writing<'_> {
             None => {
                 let Some(run) = self.new_run_id() else {
                     h.refused += 1;
-                    return None;
+                    return (None, 1, None);
                 };
                 // The new run starts with the claiming replica's row.
-                let cap = remaining.clamp(1, RUN_BLOCKS);
-                let data = RunData::new(cap, 1, key.hash.is_wide());
+                let cap = keys.len().clamp(1, RUN_BLOCKS);
+                let data = RunData::new(cap, 1, wide);
                 data.set_used_rows(1);
                 let rows = Rows::from_slice(&[Row {
                     replica: claim.replica,
@@ -1174,25 +1332,53 @@ impl Writing<'_> {
                 (run, 0)
             }
         };
-        let row = self.ensure_row(run, claim.replica)?;
-        let body = self.body(run)?;
+        let Some(row) = self.ensure_row(run, claim.replica) else {
+            return (None, 1, None);
+        };
+        // One reference for the whole stretch: the table may grow (a new
+        // table, `&mut self`) while the run's body stays.
+        let Some(body) = self.body(run).cloned() else {
+            return (None, 1, None);
+        };
         let data = &body.data;
-        data.set_hash(pos, key.word);
-        data.set_count(pos, count);
-        if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
-            let _ = wide[pos].set(bytes.into());
-        }
-        body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
-        body.publish_len(pos + 1);
-        // The slot its failed search found: nothing since touched the table.
-        self.insert_key(key.probe, loc(run, pos), vacant);
-        self.w.live[run as usize] += 1;
-        self.w.entries += 1;
-        h.room -= 1;
-        h.written += 1;
-        h.added += 1;
-        h.new_keys += 1;
-        Some((run, pos))
+        let slot = body.rows[row].slot as usize;
+        let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
+        let mut pos = start;
+        let mut vacant = vacant;
+        let mut added = 0;
+        let searched = loop {
+            let (key, count) = &keys[added];
+            data.set_hash(pos, key.word);
+            data.set_count(pos, *count);
+            if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
+                let _ = wide[pos].set(bytes.into());
+            }
+            data.cell(slot, pos).store(cell, Ordering::Release);
+            body.publish_len(pos + 1);
+            // The slot its failed search found: nothing since touched the table.
+            self.insert_key(key.probe, loc(run, pos), vacant);
+            h.room -= 1;
+            added += 1;
+            let Some((key, _)) = keys.get(added) else {
+                break None;
+            };
+            match self.locate_or_vacant(part, key) {
+                Err(next) if pos + 1 < data.cap() && h.room > 0 && key.hash.is_wide() == wide => {
+                    vacant = next;
+                    pos += 1;
+                }
+                other => break Some(other),
+            }
+        };
+        // The prefix was left as it was while the cells were added (true,
+        // if short); it takes them in now.
+        data.join_prefix(slot, start, pos + 1, claim.last_seen, claim.tier);
+        self.w.live[run as usize] += added as u32;
+        self.w.entries += added as u64;
+        h.written += added as u64;
+        h.added += added as i64;
+        h.new_keys += added as i64;
+        (Some((run, pos)), added, searched)
     }
 
     /// Removes `replica`'s claim on a key; returns (entry removed, key removed).
@@ -1395,36 +1581,52 @@ fn row_capacity(rows: usize) -> usize {
 /// A copy of `body` with `cap` block capacity, its live rows packed into
 /// fresh slots and a row for `add` if given.
 fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
+    /// Slot of a row that had none.
+    const NEW: u32 = u32::MAX;
     let old = &body.data;
-    let mut rows: Vec<Row> = body.rows.to_vec();
+    let mut rows = body.rows.clone();
     if let Some(replica) = add {
         let at = rows.partition_point(|r| r.replica < replica);
-        rows.insert(at, Row { replica, slot: 0 });
+        rows.insert(at, Row { replica, slot: NEW });
     }
     let row_cap = row_capacity(rows.len());
     let data = RunData::new(cap, row_cap, old.wide.is_some());
     let len = body.len();
-    for pos in 0..len {
-        data.set_hash(pos, old.hash(pos));
-        data.set_count(pos, old.count(pos));
-        if let (Some(from), Some(to)) = (&old.wide, &data.wide)
-            && let Some(bytes) = from[pos].get()
-        {
-            let _ = to[pos].set(bytes.clone());
+    // Hashes and counts word for word (counts are two to a word).
+    copy_words(&data.words[HEAD..HEAD + len], &old.words[HEAD..HEAD + len]);
+    let counts = len.div_ceil(2);
+    copy_words(
+        &data.words[HEAD + cap..HEAD + cap + counts],
+        &old.words[HEAD + old.cap()..HEAD + old.cap() + counts],
+    );
+    if let (Some(from), Some(to)) = (&old.wide, &data.wide) {
+        for (to, from) in to.iter().zip(from.iter()).take(len) {
+            if let Some(bytes) = from.get() {
+                let _ = to.set(bytes.clone());
+            }
         }
     }
     for (slot, row) in rows.iter_mut().enumerate() {
-        let from = body.row(row.replica).map(|r| body.rows[r].slot as usize);
-        row.slot = slot as u32;
-        if let Some(from) = from {
-            for (to, from) in data.cells(slot, 0, len).iter().zip(old.cells(from, 0, len)) {
-                to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
+        let from = std::mem::replace(&mut row.slot, slot as u32);
+        if from != NEW {
+            let from = from as usize;
+            copy_words(data.cells(slot, 0, len), old.cells(from, 0, len));
+            // The same cells: the prefix holds for them as it is, and may
+            // reach further if it was cut short.
+            let prefix = old.prefix(from).load(Ordering::Relaxed);
+            data.prefix(slot).store(prefix, Ordering::Relaxed);
             data.extend_prefix(slot);
         }
     }
     data.set_used_rows(rows.len());
-    Body::new(body.part, len, Rows::from_vec(rows), data)
+    Body::new(body.part, len, rows, data)
+}
+
+/// Copies `from` into `to`, word for word (both as long).
+fn copy_words(to: &[AtomicU64], from: &[AtomicU64]) {
+    for (to, from) in to.iter().zip(from) {
+        to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]
