@@ -21,12 +21,12 @@ use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::messages::{
-    CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
-    IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport, ScopeState,
-    Snapshot, TenantSnapshot, Tier,
+    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport,
+    EvictionReason, IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport,
+    ScopeState, Snapshot, TenantSnapshot, Tier,
 };
 use crate::policy::PolicySet;
-use crate::store::{Claim, Holding, Key, Removed, Store};
+use crate::store::{Claim, Holding, Key, NarrowChain, Removed, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
@@ -551,17 +551,29 @@ impl CacheIndex {
             let part = parts[slot].part;
             let claim = claim_at(tier);
             let before = (holding.added, holding.new_keys, holding.displaced.len());
-            keys.clear();
             let chain = &prefix.chain;
-            keys.extend(
-                (chain.hashes.refs())
-                    .zip(&chain.token_counts)
-                    .map(|(hash, &count)| (Key::new(part, hash), count)),
-            );
-            w.hold(part, &keys, claim, &mut holding);
+            match &chain.hashes {
+                // 8-byte hashes: keys are built from the words as needed.
+                BlockHashes::Narrow(hashes) => {
+                    let blocks = NarrowChain {
+                        hashes,
+                        counts: &chain.token_counts,
+                    };
+                    w.hold(part, &blocks, claim, &mut holding);
+                }
+                BlockHashes::Wide { .. } => {
+                    keys.clear();
+                    keys.extend(
+                        (chain.hashes.refs())
+                            .zip(&chain.token_counts)
+                            .map(|(hash, &count)| (Key::new(part, hash), count)),
+                    );
+                    w.hold(part, &keys[..], claim, &mut holding);
+                }
+            }
             if !prefix.prefix_hash.is_empty() {
                 let key = Key::of_bytes(part, &prefix.prefix_hash);
-                w.hold(part, &[(key, prefix.token_count)], claim, &mut holding);
+                w.hold(part, &[(key, prefix.token_count)][..], claim, &mut holding);
             }
             parts[slot].added += holding.added - before.0;
             parts[slot].new_keys += holding.new_keys - before.1;

@@ -151,6 +151,63 @@ impl<'a> Key<'a> {
     }
 }
 
+/// The blocks of one report, in order, as [`Writing::hold`] reads them:
+/// each block's hash and token count, its key built only where it is
+/// needed (a block found at the next position of a run needs its word
+/// alone, not its table probe).
+pub(crate) trait Blocks {
+    /// Number of blocks.
+    fn len(&self) -> usize;
+    /// Block `i`'s hash.
+    fn hash(&self, i: usize) -> HashRef<'_>;
+    /// Block `i`'s token count.
+    fn count(&self, i: usize) -> u32;
+    /// Block `i`'s key in `part`.
+    fn key(&self, part: PartitionId, i: usize) -> Key<'_> {
+        Key::new(part, self.hash(i))
+    }
+}
+
+/// Keys resolved up front (any width), with their token counts.
+impl Blocks for [(Key<'_>, u32)] {
+    fn len(&self) -> usize {
+        <[_]>::len(self)
+    }
+
+    fn hash(&self, i: usize) -> HashRef<'_> {
+        self[i].0.hash
+    }
+
+    fn count(&self, i: usize) -> u32 {
+        self[i].1
+    }
+
+    fn key(&self, _: PartitionId, i: usize) -> Key<'_> {
+        self[i].0
+    }
+}
+
+/// A chain of 8-byte hashes (big-endian, as on the wire) and its token
+/// counts: a block's word is its hash, so a key costs one mix.
+pub(crate) struct NarrowChain<'a> {
+    pub hashes: &'a [[u8; 8]],
+    pub counts: &'a [u32],
+}
+
+impl Blocks for NarrowChain<'_> {
+    fn len(&self) -> usize {
+        self.counts.len().min(self.hashes.len())
+    }
+
+    fn hash(&self, i: usize) -> HashRef<'_> {
+        HashRef::Narrow(u64::from_be_bytes(self.hashes[i]))
+    }
+
+    fn count(&self, i: usize) -> u32 {
+        self.counts[i]
+    }
+}
+
 fn mix(hash: u64, part: PartitionId) -> u64 {
     let x = hash ^ u64::from(part).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let m = u128::from(x) * 0xA076_1D64_78BD_642F;
@@ -1050,52 +1107,54 @@ impl Writing<'_> {
         Some(id)
     }
 
-    /// Records that `replica` claims `keys` (in report order) in `part`.
+    /// Records that `replica` claims `blocks` (in report order) in `part`.
     ///
-    /// A report's blocks are taken a stretch at a time: the keys a run
+    /// A report's blocks are taken a stretch at a time: the blocks a run
     /// holds one after the other from the first one located are claimed
-    /// with one row lookup and one prefix update, and new keys that follow
-    /// one another are appended to one run, each published as it is added
-    /// (the table still needs one probe per new key, to keep every key at
-    /// one position).
-    pub fn hold(
+    /// with one row lookup and one prefix update, and new blocks that
+    /// follow one another are appended to one run, each published as it is
+    /// added (the table still needs one probe per new block, to keep every
+    /// key at one position).
+    pub fn hold<B: Blocks + ?Sized>(
         &mut self,
         part: PartitionId,
-        keys: &[(Key<'_>, u32)],
+        blocks: &B,
         claim: Claim,
         h: &mut Holding,
     ) {
+        let n = blocks.len();
         // Start every key's table miss at once; the loop below then finds
         // them in cache instead of waiting for one after the other.
-        if keys.len() > 1 {
+        if n > 1 {
             let table = &self.w.table;
-            for (key, _) in keys {
-                table.touch(key.probe);
+            for i in 0..n {
+                table.touch(blocks.key(part, i).probe);
             }
         }
-        // Where the previous key went, and whether the stretch claimed
-        // there is known to end before the next key.
+        // Where the previous block went, and whether the stretch claimed
+        // there is known to end before the next block.
         let mut prev: Option<(u32, usize)> = None;
         let mut ended = false;
-        // The search for the next key, when the appends made it already.
+        // The search for the next block, when the appends made it already.
         let mut ahead = None;
         let mut i = 0;
-        while let Some((key, _)) = keys.get(i) {
+        while i < n {
             let next = ahead.take().unwrap_or_else(|| {
+                let hash = blocks.hash(i);
                 prev.filter(|_| !ended)
                     .and_then(|(run, pos)| {
                         let body = self.body(run)?;
-                        (pos + 1 < body.len() && body.holds_key(pos + 1, key))
+                        (pos + 1 < body.len() && body.holds(pos + 1, hash, hash.word()))
                             .then_some((run, pos + 1))
                     })
-                    .map_or_else(|| self.locate_or_vacant(part, key), Ok)
+                    .map_or_else(|| self.locate_or_vacant(part, &blocks.key(part, i)), Ok)
             });
             match next {
                 Ok((run, pos)) => {
-                    let n = self.claim_from(run, pos, &keys[i..], claim, h);
-                    prev = Some((run, pos + n - 1));
+                    let taken = self.claim_from(run, pos, blocks, i, claim, h);
+                    prev = Some((run, pos + taken - 1));
                     ended = true;
-                    i += n;
+                    i += taken;
                 }
                 Err(_) if h.room <= 0 => {
                     h.refused += 1;
@@ -1103,25 +1162,27 @@ impl Writing<'_> {
                     i += 1;
                 }
                 Err(vacant) => {
-                    let (at, n, searched) =
-                        self.add_blocks(part, prev, vacant, &keys[i..], claim, h);
+                    let (at, taken, searched) =
+                        self.add_blocks(part, prev, vacant, blocks, i, claim, h);
                     prev = at;
                     ended = true;
                     ahead = searched;
-                    i += n;
+                    i += taken;
                 }
             }
         }
     }
 
-    /// Claims `keys[0]`, located at `run`'s position `pos`, and the keys
-    /// after it that the run holds at the positions after it; returns how
-    /// many it claimed (the run's next position does not hold the next key).
-    fn claim_from(
+    /// Claims block `first`, located at `run`'s position `pos`, and the
+    /// blocks after it that the run holds at the positions after it;
+    /// returns how many it claimed (the run's next position does not hold
+    /// the next block).
+    fn claim_from<B: Blocks + ?Sized>(
         &mut self,
         run: u32,
         pos: usize,
-        keys: &[(Key<'_>, u32)],
+        blocks: &B,
+        first: usize,
         claim: Claim,
         h: &mut Holding,
     ) -> usize {
@@ -1130,20 +1191,23 @@ impl Writing<'_> {
         };
         let len = body.len();
         let n = 1
-            + (keys[1..].iter().zip(pos + 1..len))
-                .take_while(|((key, _), p)| body.holds_key(*p, key))
+            + (first + 1..blocks.len())
+                .zip(pos + 1..len)
+                .take_while(|&(i, p)| {
+                    let hash = blocks.hash(i);
+                    body.holds(p, hash, hash.word())
+                })
                 .count();
-        let stretch = &keys[..n];
         // A holder may have to make room, or the room may run out: block
         // by block (neither changes the run's hashes or length).
         if body.row_count() >= h.max_holders.max(1) || h.room < n as i64 {
-            for (p, (_, count)) in (pos..).zip(stretch) {
-                self.claim_at(run, p, *count, claim, h);
+            for k in 0..n {
+                self.claim_at(run, pos + k, blocks.count(first + k), claim, h);
             }
             return n;
         }
-        for (p, (_, count)) in (pos..).zip(stretch) {
-            body.data.set_count(p, *count);
+        for k in 0..n {
+            body.data.set_count(pos + k, blocks.count(first + k));
         }
         let row = match body.row(claim.replica) {
             Some(row) => row,
@@ -1273,18 +1337,20 @@ impl Writing<'_> {
         self.publish(run, next).row(replica)
     }
 
-    /// Adds `keys[0]` (absent; its search stopped at `vacant`) and the
-    /// absent keys after it to the run of the previous block when that
+    /// Adds block `first` (absent; its search stopped at `vacant`) and the
+    /// absent blocks after it to the run of the previous block when that
     /// block ends it, else to a new run, up to the run's capacity; returns
     /// where the last one went, how many it added and, when it searched for
-    /// the key after them, what that search found.
+    /// the block after them, what that search found.
     #[expect(clippy::type_complexity, reason = "one private call site")]
-    fn add_blocks(
+    #[expect(clippy::too_many_arguments, reason = "one private call site")]
+    fn add_blocks<B: Blocks + ?Sized>(
         &mut self,
         part: PartitionId,
         prev: Option<(u32, usize)>,
         vacant: Vacant,
-        keys: &[(Key<'_>, u32)],
+        blocks: &B,
+        first: usize,
         claim: Claim,
         h: &mut Holding,
     ) -> (
@@ -1292,7 +1358,7 @@ impl Writing<'_> {
         usize,
         Option<Result<(u32, usize), Vacant>>,
     ) {
-        let wide = keys[0].0.hash.is_wide();
+        let wide = blocks.hash(first).is_wide();
         // Append to the run of the previous block when that block ends it.
         let tail = prev.filter(|&(run, pos)| {
             self.body(run)
@@ -1316,7 +1382,7 @@ impl Writing<'_> {
                     return (None, 1, None);
                 };
                 // The new run starts with the claiming replica's row.
-                let cap = keys.len().clamp(1, RUN_BLOCKS);
+                let cap = (blocks.len() - first).clamp(1, RUN_BLOCKS);
                 let data = RunData::new(cap, 1, wide);
                 data.set_used_rows(1);
                 let rows = Rows::from_slice(&[Row {
@@ -1345,11 +1411,11 @@ impl Writing<'_> {
         let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
         let mut pos = start;
         let mut vacant = vacant;
+        let mut key = blocks.key(part, first);
         let mut added = 0;
         let searched = loop {
-            let (key, count) = &keys[added];
             data.set_hash(pos, key.word);
-            data.set_count(pos, *count);
+            data.set_count(pos, blocks.count(first + added));
             if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
                 let _ = wide[pos].set(bytes.into());
             }
@@ -1359,10 +1425,11 @@ impl Writing<'_> {
             self.insert_key(key.probe, loc(run, pos), vacant);
             h.room -= 1;
             added += 1;
-            let Some((key, _)) = keys.get(added) else {
+            if first + added == blocks.len() {
                 break None;
-            };
-            match self.locate_or_vacant(part, key) {
+            }
+            key = blocks.key(part, first + added);
+            match self.locate_or_vacant(part, &key) {
                 Err(next) if pos + 1 < data.cap() && h.room > 0 && key.hash.is_wide() == wide => {
                     vacant = next;
                     pos += 1;
@@ -1701,19 +1768,19 @@ mod tests {
         let store = Store::default();
         let mut w = store.write();
         let mut h = holding(1000);
-        w.hold(1, &keys(1, 0..10), claim(7, 100), &mut h);
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 100), &mut h);
         assert_eq!((h.added, h.new_keys, h.written), (10, 10, 10));
         assert_eq!(w.shape().1, 1, "one report, one run");
         // A second holder of the head and a divergent tail.
         let mut h = holding(1000);
         let mut other = keys(1, 0..4);
         other.extend(keys(1, 100..104));
-        w.hold(1, &other, claim(3, 101), &mut h);
+        w.hold(1, &other[..], claim(3, 101), &mut h);
         assert_eq!((h.added, h.new_keys), (8, 4));
         assert_eq!(w.shape(), (14, 2, w.shape().2));
         // A refresh adds nothing.
         let mut h = holding(0);
-        w.hold(1, &keys(1, 0..10), claim(7, 102), &mut h);
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 102), &mut h);
         assert_eq!((h.added, h.refused, h.written), (0, 0, 10));
         // A hole in the middle.
         assert_eq!(
@@ -1757,7 +1824,7 @@ mod tests {
         let report = |range: std::ops::Range<u64>, seen: u32| {
             store
                 .write()
-                .hold(1, &keys(1, range), claim(7, seen), &mut holding(1000));
+                .hold(1, &keys(1, range)[..], claim(7, seen), &mut holding(1000));
         };
         report(0..64, 100);
         assert_eq!(prefix_len(&store, 1, 0, 7), 64, "one report in order");
@@ -1778,7 +1845,7 @@ mod tests {
         };
         store
             .write()
-            .hold(1, &keys(1, 0..1), cold, &mut holding(1000));
+            .hold(1, &keys(1, 0..1)[..], cold, &mut holding(1000));
         assert_eq!(prefix_len(&store, 1, 0, 7), 1, "block 0 alone at T2");
         // Stretches read through the word and cell by cell agree.
         let reader = store.reader();
@@ -1804,15 +1871,15 @@ mod tests {
         let store = Store::default();
         let mut w = store.write();
         let mut h = holding(3);
-        w.hold(0, &keys(0, 0..5), claim(1, 10), &mut h);
+        w.hold(0, &keys(0, 0..5)[..], claim(1, 10), &mut h);
         assert_eq!((h.added, h.refused), (3, 2));
         let mut h = Holding {
             room: 10,
             max_holders: 2,
             ..Holding::default()
         };
-        w.hold(0, &keys(0, 0..1), claim(2, 11), &mut h);
-        w.hold(0, &keys(0, 0..1), claim(3, 12), &mut h);
+        w.hold(0, &keys(0, 0..1)[..], claim(2, 11), &mut h);
+        w.hold(0, &keys(0, 0..1)[..], claim(3, 12), &mut h);
         assert_eq!(h.displaced, vec![1], "the stalest holder made room");
         drop(w);
         assert_eq!(held(&store, 0, 0..1, 1), [false]);
@@ -1825,9 +1892,9 @@ mod tests {
         let mut w = store.write();
         let mut h = holding(1000);
         for r in 0..3 {
-            w.hold(0, &keys(0, 0..70), claim(r, 5), &mut h);
+            w.hold(0, &keys(0, 0..70)[..], claim(r, 5), &mut h);
         }
-        w.hold(0, &keys(0, 500..501), claim(9, 5), &mut h);
+        w.hold(0, &keys(0, 500..501)[..], claim(9, 5), &mut h);
         assert_eq!(w.entries(), 211);
         let mut count = Count(Vec::new());
         w.clear(1, |_| true, &mut count);
@@ -1850,7 +1917,7 @@ mod tests {
         let mut w = store.write();
         let mut h = holding(10);
         let k = Key::new(0, HashRef::from_bytes(&bytes));
-        w.hold(0, &[(k, 32)], claim(3, 1), &mut h);
+        w.hold(0, &[(k, 32)][..], claim(3, 1), &mut h);
         drop(w);
         let reader = store.reader();
         let (body, pos) = reader.locate(0, &k).expect("stored");
