@@ -327,6 +327,59 @@ impl RunData {
         }
     }
 
+    /// A copy of `old`'s first `len` positions with block capacity `cap`
+    /// and `row_cap` row slots, slot `s` holding the cells and prefix of
+    /// `old`'s slot `from[s]` (none: an empty slot), `from.len()` of them
+    /// handed out. Every word is written once, copied or zero, into memory
+    /// the allocator did not clear (a rebuild would otherwise write each
+    /// word twice).
+    fn copied(old: &Self, len: usize, cap: usize, row_cap: usize, from: &[Option<usize>]) -> Self {
+        let counts = cap.div_ceil(2);
+        let n = HEAD + cap + counts + row_cap + row_cap * cap;
+        let mut words = Arc::<[AtomicU64]>::new_uninit_slice(n);
+        let mut fill = Fill {
+            out: Arc::get_mut(&mut words).expect("a new allocation has one owner"),
+            at: 0,
+        };
+        fill.word(from.len() as u64);
+        fill.copy(&old.words[HEAD..HEAD + len], cap);
+        let old_counts = HEAD + old.cap();
+        fill.copy(&old.words[old_counts..old_counts + len.div_ceil(2)], counts);
+        for slot in 0..row_cap {
+            let prefix = from.get(slot).copied().flatten().map(|f| old.prefix(f));
+            fill.word(prefix.map_or(0, |p| p.load(Ordering::Relaxed)));
+        }
+        for slot in 0..row_cap {
+            match from.get(slot).copied().flatten() {
+                Some(f) => fill.copy(old.cells(f, 0, len), cap),
+                None => fill.copy(&[], cap),
+            }
+        }
+        fill.finish();
+        #[expect(
+            unsafe_code,
+            reason = "every element was written by `Fill`; an uninitialised allocation skips a clearing pass"
+        )]
+        // SAFETY: `Fill` writes its elements in order and `finish` writes
+        // every one not written yet, so all `n` elements are initialised.
+        let words = unsafe { words.assume_init() };
+        let wide = old.wide.as_ref().map(|from| {
+            let wide: WideBytes = (0..cap).map(|_| OnceLock::new()).collect();
+            for (to, from) in wide.iter().zip(from.iter()).take(len) {
+                if let Some(bytes) = from.get() {
+                    let _ = to.set(bytes.clone());
+                }
+            }
+            Arc::new(wide)
+        });
+        Self {
+            words,
+            wide,
+            cap: cap as u32,
+            row_cap: row_cap as u32,
+        }
+    }
+
     fn cap(&self) -> usize {
         self.cap as usize
     }
@@ -489,6 +542,40 @@ impl RunData {
     /// keep its tier and do not get older.
     fn extend_prefix(&self, slot: usize) {
         grow_prefix(self.cells(slot, 0, self.cap()), self.prefix(slot));
+    }
+}
+
+/// Writes a new allocation's words in order (see [`RunData::copied`]).
+struct Fill<'a> {
+    out: &'a mut [std::mem::MaybeUninit<AtomicU64>],
+    at: usize,
+}
+
+impl Fill<'_> {
+    fn word(&mut self, w: u64) {
+        if let Some(slot) = self.out.get_mut(self.at) {
+            slot.write(AtomicU64::new(w));
+            self.at += 1;
+        }
+    }
+
+    /// `from` and zeros after it, `n` words in all.
+    fn copy(&mut self, from: &[AtomicU64], n: usize) {
+        let end = (self.at + n).min(self.out.len());
+        let (to, zeros) = self.out[self.at..end].split_at_mut(from.len().min(end - self.at));
+        for (to, from) in to.iter_mut().zip(from) {
+            to.write(AtomicU64::new(from.load(Ordering::Relaxed)));
+        }
+        for to in zeros {
+            to.write(AtomicU64::new(0));
+        }
+        self.at = end;
+    }
+
+    /// Zeros every word not written yet.
+    fn finish(mut self) {
+        let rest = self.out.len() - self.at;
+        self.copy(&[], rest);
     }
 }
 
@@ -1650,50 +1737,29 @@ fn row_capacity(rows: usize) -> usize {
 fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
     /// Slot of a row that had none.
     const NEW: u32 = u32::MAX;
-    let old = &body.data;
     let mut rows = body.rows.clone();
     if let Some(replica) = add {
         let at = rows.partition_point(|r| r.replica < replica);
         rows.insert(at, Row { replica, slot: NEW });
     }
-    let row_cap = row_capacity(rows.len());
-    let data = RunData::new(cap, row_cap, old.wide.is_some());
+    let from: SmallVec<[Option<usize>; 8]> = rows
+        .iter_mut()
+        .enumerate()
+        .map(|(slot, row)| {
+            let from = std::mem::replace(&mut row.slot, slot as u32);
+            (from != NEW).then_some(from as usize)
+        })
+        .collect();
     let len = body.len();
-    // Hashes and counts word for word (counts are two to a word).
-    copy_words(&data.words[HEAD..HEAD + len], &old.words[HEAD..HEAD + len]);
-    let counts = len.div_ceil(2);
-    copy_words(
-        &data.words[HEAD + cap..HEAD + cap + counts],
-        &old.words[HEAD + old.cap()..HEAD + old.cap() + counts],
-    );
-    if let (Some(from), Some(to)) = (&old.wide, &data.wide) {
-        for (to, from) in to.iter().zip(from.iter()).take(len) {
-            if let Some(bytes) = from.get() {
-                let _ = to.set(bytes.clone());
-            }
-        }
-    }
-    for (slot, row) in rows.iter_mut().enumerate() {
-        let from = std::mem::replace(&mut row.slot, slot as u32);
-        if from != NEW {
-            let from = from as usize;
-            copy_words(data.cells(slot, 0, len), old.cells(from, 0, len));
-            // The same cells: the prefix holds for them as it is, and may
-            // reach further if it was cut short.
-            let prefix = old.prefix(from).load(Ordering::Relaxed);
-            data.prefix(slot).store(prefix, Ordering::Relaxed);
+    let data = RunData::copied(&body.data, len, cap, row_capacity(rows.len()), &from);
+    // The same cells: each prefix holds for them as it is, and may reach
+    // further if it was cut short.
+    for (slot, from) in from.iter().enumerate() {
+        if from.is_some() {
             data.extend_prefix(slot);
         }
     }
-    data.set_used_rows(rows.len());
     Body::new(body.part, len, rows, data)
-}
-
-/// Copies `from` into `to`, word for word (both as long).
-fn copy_words(to: &[AtomicU64], from: &[AtomicU64]) {
-    for (to, from) in to.iter().zip(from) {
-        to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]

@@ -75,8 +75,18 @@ impl Default for KeyTable {
 impl KeyTable {
     fn with_slots(n: usize) -> Self {
         let n = n.max(MIN_SLOTS).next_power_of_two();
+        // Zeroed by the allocator: a large table comes as fresh pages from
+        // the system, which need no clearing pass.
+        #[expect(
+            unsafe_code,
+            reason = "an all-zero slot is a valid (empty) slot; zeroed allocation skips a clearing pass"
+        )]
+        // SAFETY: `new_zeroed_slice` returns `n` zero-filled elements, and a
+        // `Slot` is one `AtomicU64`, for which all-zero bits is the value 0
+        // (`EMPTY`).
+        let slots: Box<[Slot]> = unsafe { Box::new_zeroed_slice(n).assume_init() };
         Self {
-            slots: (0..n).map(|_| Slot::default()).collect(),
+            slots,
             mask: n - 1,
             live: AtomicU64::new(0),
             used: AtomicU64::new(0),
