@@ -115,24 +115,33 @@ impl KeyTable {
     /// [`find`](Self::find), or where an insert of the probe would go (the
     /// first empty or removed slot on its path), so that a writer adding a
     /// key it did not find probes once, not twice.
+    ///
+    /// For the writer only (it alone changes slots, so its loads need no
+    /// ordering). The slots and mask are read once, and a slot under
+    /// another tag — most of a probe's path — costs one test: a tag is
+    /// never 0, so neither `EMPTY` nor `TOMB` passes for one.
     pub fn find_or_vacant(
         &self,
         probe: Probe,
         mut accept: impl FnMut(u32) -> bool,
     ) -> Result<u32, Vacant> {
+        let slots = &self.slots[..];
+        let mask = self.mask;
         let mut i = self.home(probe);
         let mut vacant = None;
         loop {
-            let word = self.slots[i].0.load(Ordering::Acquire);
-            if word == EMPTY {
-                return Err(Vacant(vacant.unwrap_or(i)));
-            }
-            if word == TOMB {
+            let word = slots[i].0.load(Ordering::Relaxed);
+            if (word ^ probe.tag) >> 32 == 0 {
+                if accept(word as u32) {
+                    return Ok(word as u32);
+                }
+            } else if word <= TOMB {
+                if word == EMPTY {
+                    return Err(Vacant(vacant.unwrap_or(i)));
+                }
                 vacant.get_or_insert(i);
-            } else if word & !0xFFFF_FFFF == probe.tag && accept(word as u32) {
-                return Ok(word as u32);
             }
-            i = (i + 1) & self.mask;
+            i = (i + 1) & mask;
         }
     }
 
