@@ -63,6 +63,8 @@ use crate::table::{KeyTable, Probe, Vacant};
 
 /// Blocks one run holds at most.
 pub(crate) const RUN_BLOCKS: usize = 64;
+/// New blocks whose key-table slots an append starts loading ahead.
+const AHEAD: usize = 8;
 const POS_BITS: u32 = 6;
 /// Runs the store can address.
 const MAX_RUNS: u32 = 1 << (32 - POS_BITS);
@@ -401,10 +403,6 @@ impl RunData {
         self.words[HEAD + pos].load(Ordering::Relaxed)
     }
 
-    fn set_hash(&self, pos: usize, word: u64) {
-        self.words[HEAD + pos].store(word, Ordering::Relaxed);
-    }
-
     fn count_word(&self, pos: usize) -> &AtomicU64 {
         &self.words[HEAD + self.cap() + pos / 2]
     }
@@ -421,6 +419,31 @@ impl RunData {
         let next = (old & !(0xFFFF_FFFFu64 << shift)) | (u64::from(count) << shift);
         if next != old {
             word.store(next, Ordering::Relaxed);
+        }
+    }
+
+    /// Sets the token counts of positions `from..from + n` to `count(k)`
+    /// for `k` in `0..n` (writer only), two to a word where both halves
+    /// are set; a word is stored only where it changes.
+    fn set_counts(&self, from: usize, n: usize, count: impl Fn(usize) -> u32) {
+        let cap = self.cap();
+        let words = &self.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        let mut k = 0;
+        while k < n {
+            let pos = from + k;
+            let word = &words[pos / 2];
+            let old = word.load(Ordering::Relaxed);
+            let next = if pos.is_multiple_of(2) && k + 1 < n {
+                k += 2;
+                u64::from(count(k - 2)) | (u64::from(count(k - 1)) << 32)
+            } else {
+                let shift = (pos & 1) * 32;
+                k += 1;
+                (old & !(0xFFFF_FFFFu64 << shift)) | (u64::from(count(k - 1)) << shift)
+            };
+            if next != old {
+                word.store(next, Ordering::Relaxed);
+            }
         }
     }
 
@@ -1155,14 +1178,22 @@ impl Writing<'_> {
 
     /// Adds a key at `at`, in the slot its failed search found (nothing was
     /// inserted since: one key is added at a time), or anew in a grown table.
+    #[inline]
     fn insert_key(&mut self, probe: Probe, at: u32, vacant: Vacant) {
         if self.w.table.full() {
-            let next = self.w.table.rebuilt(0);
-            self.swap_table(next);
-            self.w.table.insert(probe, at);
+            self.grow_table_with(probe, at);
         } else {
             self.w.table.insert_at(vacant, probe, at);
         }
+    }
+
+    /// Swaps in a grown table holding the key at `at` as well.
+    #[cold]
+    #[inline(never)]
+    fn grow_table_with(&mut self, probe: Probe, at: u32) {
+        let next = self.w.table.rebuilt(0);
+        self.swap_table(next);
+        self.w.table.insert(probe, at);
     }
 
     fn swap_table(&mut self, next: KeyTable) {
@@ -1210,14 +1241,6 @@ impl Writing<'_> {
         h: &mut Holding,
     ) {
         let n = blocks.len();
-        // Start every key's table miss at once; the loop below then finds
-        // them in cache instead of waiting for one after the other.
-        if n > 1 {
-            let table = &self.w.table;
-            for i in 0..n {
-                table.touch(blocks.key(part, i).probe);
-            }
-        }
         // Where the previous block went, and whether the stretch claimed
         // there is known to end before the next block.
         let mut prev: Option<(u32, usize)> = None;
@@ -1293,9 +1316,7 @@ impl Writing<'_> {
             }
             return n;
         }
-        for k in 0..n {
-            body.data.set_count(pos + k, blocks.count(first + k));
-        }
+        body.data.set_counts(pos, n, |k| blocks.count(first + k));
         let row = match body.row(claim.replica) {
             Some(row) => row,
             None => match self.ensure_row(run, claim.replica) {
@@ -1495,26 +1516,41 @@ impl Writing<'_> {
         };
         let data = &body.data;
         let slot = body.rows[row].slot as usize;
+        let hashes = &data.words[HEAD..HEAD + data.cap()];
+        let cells = data.cells(slot, 0, data.cap());
         let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
+        // Start the table misses of the next few blocks (most likely new
+        // as well) so that they are under way together; a block found in
+        // a run needs no probe, so only new ones look ahead.
+        let end = blocks.len();
+        let ahead = |i: usize, table: &KeyTable| {
+            if i < end {
+                table.touch(blocks.key(part, i).probe);
+            }
+        };
+        for i in first + 1..first + 1 + AHEAD {
+            ahead(i, &self.w.table);
+        }
         let mut pos = start;
         let mut vacant = vacant;
         let mut key = blocks.key(part, first);
         let mut added = 0;
         let searched = loop {
-            data.set_hash(pos, key.word);
+            hashes[pos].store(key.word, Ordering::Relaxed);
             data.set_count(pos, blocks.count(first + added));
             if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
                 let _ = wide[pos].set(bytes.into());
             }
-            data.cell(slot, pos).store(cell, Ordering::Release);
+            cells[pos].store(cell, Ordering::Release);
             body.publish_len(pos + 1);
             // The slot its failed search found: nothing since touched the table.
             self.insert_key(key.probe, loc(run, pos), vacant);
             h.room -= 1;
             added += 1;
-            if first + added == blocks.len() {
+            if first + added == end {
                 break None;
             }
+            ahead(first + added + AHEAD, &self.w.table);
             key = blocks.key(part, first + added);
             match self.locate_or_vacant(part, &key) {
                 Err(next) if pos + 1 < data.cap() && h.room > 0 && key.hash.is_wide() == wide => {
