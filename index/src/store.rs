@@ -1159,14 +1159,24 @@ impl Writing<'_> {
         self.locate_or_vacant(part, key).ok()
     }
 
-    /// Where `key` is, or the key-table slot it would go to.
+    /// Where `key` is, or the key-table slot it would go to. The search is
+    /// inlined into its callers; a slot under the key's tag (rare on the
+    /// way to an absent key's slot) is checked out of line.
+    #[inline]
     fn locate_or_vacant(&self, part: PartitionId, key: &Key<'_>) -> Result<(u32, usize), Vacant> {
-        let loc = self.w.table.find_or_vacant(key.probe, |loc| {
-            let (run, pos) = split(loc);
-            self.body(run)
-                .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
-        })?;
+        let loc = self
+            .w
+            .table
+            .find_or_vacant(key.probe, |loc| self.holds_at(part, key, loc))?;
         Ok(split(loc))
+    }
+
+    /// Whether location `loc` holds `key` in `part`.
+    #[inline(never)]
+    fn holds_at(&self, part: PartitionId, key: &Key<'_>, loc: u32) -> bool {
+        let (run, pos) = split(loc);
+        self.body(run)
+            .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
     }
 
     fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
