@@ -168,6 +168,18 @@ pub(crate) trait Blocks {
     fn key(&self, part: PartitionId, i: usize) -> Key<'_> {
         Key::new(part, self.hash(i))
     }
+
+    /// How many blocks from `i` on `body` holds one after the other at its
+    /// positions from `pos` on, below `len`.
+    fn held_from(&self, i: usize, body: &Body, pos: usize, len: usize) -> usize {
+        (i..self.len())
+            .zip(pos..len)
+            .take_while(|&(i, p)| {
+                let hash = self.hash(i);
+                body.holds(p, hash, hash.word())
+            })
+            .count()
+    }
 }
 
 /// Keys resolved up front (any width), with their token counts.
@@ -207,6 +219,20 @@ impl Blocks for NarrowChain<'_> {
 
     fn count(&self, i: usize) -> u32 {
         self.counts[i]
+    }
+
+    /// The chain's words against the run's, side by side.
+    fn held_from(&self, i: usize, body: &Body, pos: usize, len: usize) -> usize {
+        if body.is_wide() || pos >= len {
+            return 0;
+        }
+        let stored = &body.data.words[HEAD + pos..HEAD + len];
+        let asked = self.hashes.get(i..).unwrap_or_default();
+        stored
+            .iter()
+            .zip(asked)
+            .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
+            .count()
     }
 }
 
@@ -1309,15 +1335,7 @@ impl Writing<'_> {
         let Some(body) = self.body(run) else {
             return 1;
         };
-        let len = body.len();
-        let n = 1
-            + (first + 1..blocks.len())
-                .zip(pos + 1..len)
-                .take_while(|&(i, p)| {
-                    let hash = blocks.hash(i);
-                    body.holds(p, hash, hash.word())
-                })
-                .count();
+        let n = 1 + blocks.held_from(first + 1, body, pos + 1, body.len());
         // A holder may have to make room, or the room may run out: block
         // by block (neither changes the run's hashes or length).
         if body.row_count() >= h.max_holders.max(1) || h.room < n as i64 {
@@ -1340,13 +1358,22 @@ impl Writing<'_> {
         let Some(body) = w.bodies.get(run as usize).and_then(Option::as_ref) else {
             return n;
         };
+        let data = &body.data;
         let slot = body.rows[row].slot as usize;
+        // A new cell is a new key where no other row holds the position:
+        // the other rows' cells, found once for the stretch.
+        let others: SmallVec<[&[AtomicU64]; 8]> = (body.rows.iter())
+            .filter(|r| r.slot as usize != slot)
+            .map(|r| data.cells(r.slot as usize, 0, pos + n))
+            .collect();
         let (mut added, mut new_keys) = (0u32, 0i64);
-        body.data
-            .set_stretch(slot, pos, pos + n, claim.last_seen, claim.tier, |p| {
-                added += 1;
-                new_keys += i64::from(!body.held_by_any(p));
-            });
+        data.set_stretch(slot, pos, pos + n, claim.last_seen, claim.tier, |p| {
+            added += 1;
+            let held = others
+                .iter()
+                .any(|cells| Cell(cells[p].load(Ordering::Relaxed)).held());
+            new_keys += i64::from(!held);
+        });
         w.live[run as usize] += added;
         w.entries += u64::from(added);
         h.written += n as u64;
@@ -1526,8 +1553,10 @@ impl Writing<'_> {
         };
         let data = &body.data;
         let slot = body.rows[row].slot as usize;
-        let hashes = &data.words[HEAD..HEAD + data.cap()];
-        let cells = data.cells(slot, 0, data.cap());
+        let cap = data.cap();
+        let hashes = &data.words[HEAD..HEAD + cap];
+        let counts = &data.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        let cells = data.cells(slot, 0, cap);
         let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
         // Start the table misses of the next few blocks (most likely new
         // as well) so that they are under way together; a block found in
@@ -1547,7 +1576,16 @@ impl Writing<'_> {
         let mut added = 0;
         let searched = loop {
             hashes[pos].store(key.word, Ordering::Relaxed);
-            data.set_count(pos, blocks.count(first + added));
+            // A position past the length has a zero count: an even one
+            // sets its word, an odd one the upper half of its word.
+            let count = u64::from(blocks.count(first + added));
+            let word = &counts[pos / 2];
+            if pos.is_multiple_of(2) {
+                word.store(count, Ordering::Relaxed);
+            } else {
+                let low = word.load(Ordering::Relaxed) & 0xFFFF_FFFF;
+                word.store(low | (count << 32), Ordering::Relaxed);
+            }
             if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
                 let _ = wide[pos].set(bytes.into());
             }
