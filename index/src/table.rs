@@ -125,12 +125,14 @@ impl KeyTable {
         probe: Probe,
         mut accept: impl FnMut(u32) -> bool,
     ) -> Result<u32, Vacant> {
-        let slots = &self.slots[..];
         let mask = self.mask;
+        // `mask + 1` slots, so that a slot index masked with it needs no
+        // bounds check.
+        let slots = &self.slots[..=mask];
         let mut i = self.home(probe);
         let mut vacant = None;
         loop {
-            let word = slots[i].0.load(Ordering::Relaxed);
+            let word = slots[i & mask].0.load(Ordering::Relaxed);
             if (word ^ probe.tag) >> 32 == 0 {
                 if accept(word as u32) {
                     return Ok(word as u32);
