@@ -484,6 +484,11 @@ impl RunData {
         &self.words[self.prefixes_at() + slot]
     }
 
+    /// Every row slot's cells, slot after slot (`cap` each).
+    fn cells_from(&self) -> &[AtomicU64] {
+        &self.words[self.prefixes_at() + self.row_cap()..]
+    }
+
     /// Cells of row slot `slot`, positions `from..to`.
     fn cells(&self, slot: usize, from: usize, to: usize) -> &[AtomicU64] {
         let base = self.prefixes_at() + self.row_cap() + slot * self.cap();
@@ -1360,18 +1365,16 @@ impl Writing<'_> {
         };
         let data = &body.data;
         let slot = body.rows[row].slot as usize;
-        // A new cell is a new key where no other row holds the position:
-        // the other rows' cells, found once for the stretch.
-        let others: SmallVec<[&[AtomicU64]; 8]> = (body.rows.iter())
-            .filter(|r| r.slot as usize != slot)
-            .map(|r| data.cells(r.slot as usize, 0, pos + n))
-            .collect();
+        // A new cell is a new key where no other row holds the position.
+        let rows: &[Row] = &body.rows;
+        let (cells, cap) = (data.cells_from(), data.cap());
         let (mut added, mut new_keys) = (0u32, 0i64);
         data.set_stretch(slot, pos, pos + n, claim.last_seen, claim.tier, |p| {
             added += 1;
-            let held = others
-                .iter()
-                .any(|cells| Cell(cells[p].load(Ordering::Relaxed)).held());
+            let held = rows.iter().any(|r| {
+                let s = r.slot as usize;
+                s != slot && Cell(cells[s * cap + p].load(Ordering::Relaxed)).held()
+            });
             new_keys += i64::from(!held);
         });
         w.live[run as usize] += added;
