@@ -164,6 +164,10 @@ pub(crate) trait Blocks {
     fn hash(&self, i: usize) -> HashRef<'_>;
     /// Block `i`'s token count.
     fn count(&self, i: usize) -> u32;
+    /// Block `i`'s word (what a run stores).
+    fn word(&self, i: usize) -> u64 {
+        self.hash(i).word()
+    }
     /// Block `i`'s key in `part`.
     fn key(&self, part: PartitionId, i: usize) -> Key<'_> {
         Key::new(part, self.hash(i))
@@ -194,6 +198,10 @@ impl Blocks for [(Key<'_>, u32)] {
 
     fn count(&self, i: usize) -> u32 {
         self[i].1
+    }
+
+    fn word(&self, i: usize) -> u64 {
+        self[i].0.word
     }
 
     fn key(&self, _: PartitionId, i: usize) -> Key<'_> {
@@ -1564,18 +1572,23 @@ impl Writing<'_> {
         // Start the table misses of the next few blocks (most likely new
         // as well) so that they are under way together; a block found in
         // a run needs no probe, so only new ones look ahead.
+        // Their probes are kept for their own searches.
         let end = blocks.len();
-        let ahead = |i: usize, table: &KeyTable| {
+        let mut key = blocks.key(part, first);
+        let mut probes = [key.probe; AHEAD];
+        let ahead = |i: usize, table: &KeyTable, probes: &mut [Probe; AHEAD]| {
             if i < end {
-                table.touch(blocks.key(part, i).probe);
+                let probe = blocks.key(part, i).probe;
+                probes[i % AHEAD] = probe;
+                table.touch(probe);
             }
         };
         for i in first + 1..first + 1 + AHEAD {
-            ahead(i, &self.w.table);
+            ahead(i, &self.w.table, &mut probes);
         }
         let mut pos = start;
         let mut vacant = vacant;
-        let mut key = blocks.key(part, first);
+        let mut room = h.room;
         let mut added = 0;
         let searched = loop {
             hashes[pos].store(key.word, Ordering::Relaxed);
@@ -1596,15 +1609,21 @@ impl Writing<'_> {
             body.publish_len(pos + 1);
             // The slot its failed search found: nothing since touched the table.
             self.insert_key(key.probe, loc(run, pos), vacant);
-            h.room -= 1;
+            room -= 1;
             added += 1;
-            if first + added == end {
+            let i = first + added;
+            if i == end {
                 break None;
             }
-            ahead(first + added + AHEAD, &self.w.table);
-            key = blocks.key(part, first + added);
+            let probe = probes[i % AHEAD];
+            ahead(i + AHEAD, &self.w.table, &mut probes);
+            key = Key {
+                hash: blocks.hash(i),
+                word: blocks.word(i),
+                probe,
+            };
             match self.locate_or_vacant(part, &key) {
-                Err(next) if pos + 1 < data.cap() && h.room > 0 && key.hash.is_wide() == wide => {
+                Err(next) if pos + 1 < cap && room > 0 && key.hash.is_wide() == wide => {
                     vacant = next;
                     pos += 1;
                 }
@@ -1616,6 +1635,7 @@ impl Writing<'_> {
         data.join_prefix(slot, start, pos + 1, claim.last_seen, claim.tier);
         self.w.live[run as usize] += added as u32;
         self.w.entries += added as u64;
+        h.room = room;
         h.written += added as u64;
         h.added += added as i64;
         h.new_keys += added as i64;
