@@ -64,7 +64,7 @@ use crate::table::{KeyTable, Probe, Vacant};
 /// Blocks one run holds at most.
 pub(crate) const RUN_BLOCKS: usize = 64;
 /// New blocks whose key-table slots an append starts loading ahead.
-const AHEAD: usize = 8;
+const AHEAD: usize = 16;
 const POS_BITS: u32 = 6;
 /// Runs the store can address.
 const MAX_RUNS: u32 = 1 << (32 - POS_BITS);
