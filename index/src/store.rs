@@ -2060,6 +2060,66 @@ mod tests {
     }
 
     #[test]
+    fn a_block_named_twice_in_one_report_keeps_one_position() {
+        let store = Store::default();
+        let mut w = store.write();
+        let mut h = holding(1000);
+        let mut twice = keys(1, 0..3);
+        twice.extend(keys(1, 1..2));
+        twice.extend(keys(1, 3..5));
+        w.hold(1, &twice[..], claim(7, 100), &mut h);
+        assert_eq!((h.added, h.new_keys, h.written), (5, 5, 6));
+        assert_eq!(w.shape().0, 5, "five keys");
+        drop(w);
+        assert_eq!(held(&store, 1, 0..5, 7), vec![true; 5]);
+    }
+
+    #[test]
+    fn room_running_out_inside_a_stretch_refuses_the_rest() {
+        let store = Store::default();
+        let mut w = store.write();
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 100), &mut holding(1000));
+        w.hold(1, &keys(1, 0..5)[..], claim(3, 100), &mut holding(1000));
+        // Five refreshes, then room for three of the five new cells.
+        let mut h = holding(3);
+        w.hold(1, &keys(1, 0..10)[..], claim(3, 101), &mut h);
+        assert_eq!((h.written, h.added, h.refused, h.new_keys), (8, 3, 2, 0));
+        drop(w);
+        let mut expect = vec![true; 8];
+        expect.extend([false, false]);
+        assert_eq!(held(&store, 1, 0..10, 3), expect);
+        // The prefix word agrees with the cells it covers.
+        assert_eq!(prefix_len(&store, 1, 0, 3), 8);
+    }
+
+    #[test]
+    fn wide_chains_append_and_claim_in_runs() {
+        let store = Store::default();
+        let bytes: Vec<[u8; 16]> = (0..6u8).map(|b| [b; 16]).collect();
+        let wide: Vec<(Key<'_>, u32)> = bytes
+            .iter()
+            .map(|b| (Key::new(2, HashRef::from_bytes(b)), 16))
+            .collect();
+        let mut w = store.write();
+        let mut h = holding(100);
+        w.hold(2, &wide[..4], claim(1, 10), &mut h);
+        w.hold(2, &wide[..], claim(2, 11), &mut h);
+        assert_eq!((h.added, h.new_keys, h.written), (10, 6, 10));
+        assert_eq!(w.shape().1, 1, "appended to the one run");
+        drop(w);
+        let reader = store.reader();
+        for (key, _) in &wide {
+            let (body, pos) = reader.locate(2, key).expect("stored");
+            let body = body.as_ref().expect("located body");
+            assert!(body.row(2).is_some_and(|r| body.cell(r, pos).held()));
+            assert_eq!(
+                body.row(1).is_some_and(|r| body.cell(r, pos).held()),
+                pos < 4
+            );
+        }
+    }
+
+    #[test]
     fn clear_frees_runs_and_keys() {
         let store = Store::default();
         let mut w = store.write();
