@@ -237,18 +237,30 @@ impl KeyTable {
             .next_power_of_two()
             .min(self.slots.len() * 2);
         let next = Self::with_slots(slots);
+        // No reader sees the new table before it is swapped in, and it has
+        // no tombstones: each entry goes to the first empty slot from its
+        // home, and the counts are set once at the end.
+        let mask = next.mask;
+        let to = &next.slots[..=mask];
+        let mut moved = 0;
         for slot in self.slots.iter() {
             let word = slot.0.load(Ordering::Relaxed);
-            if word == EMPTY || word == TOMB {
+            if word <= TOMB {
                 continue;
             }
-            next.insert(
-                Probe {
-                    tag: word & !0xFFFF_FFFF,
-                },
-                word as u32,
-            );
+            let mut i = (word >> 32) as usize;
+            loop {
+                let slot = &to[i & mask].0;
+                if slot.load(Ordering::Relaxed) == EMPTY {
+                    slot.store(word, Ordering::Relaxed);
+                    break;
+                }
+                i += 1;
+            }
+            moved += 1;
         }
+        next.live.store(moved, Ordering::Relaxed);
+        next.used.store(moved, Ordering::Relaxed);
         next
     }
 
