@@ -38,9 +38,22 @@
 //!   clears and sweeps. In-place writes are cell refreshes, new cells in a
 //!   free row slot and appended positions; adding a row past the row
 //!   capacity, growing a run or dropping rows builds a new body and swaps it
-//!   in; the old one is freed when its last reader lets go. A reader may see
-//!   a run between two writes of one update, which is the same answer as a
-//!   lookup that ran between the two.
+//!   in (a rebuild writes each word of the new data once, copied or zero,
+//!   prefix words included); the old one is freed when its last reader
+//!   lets go. A reader may see a run between two writes of one update,
+//!   which is the same answer as a lookup that ran between the two.
+//! - **Ingest goes a stretch at a time** ([`Writing::hold`]): the blocks a
+//!   run holds one after the other from the first one located (the report's
+//!   words compared with the run's side by side) are claimed with one row
+//!   lookup, one token-count pass (two to a word) and one prefix update
+//!   (one check for the whole stretch: cut once if its first write would
+//!   break the word, lengthened once after); new blocks that follow one
+//!   another are appended in one pass, each published and inserted as it
+//!   goes (so a later block of the same report finds it) and the prefix
+//!   taken in at the end. Appends start the key-table misses of the next
+//!   `AHEAD` blocks and keep their probes; a block found in a run needs no
+//!   probe at all. A stretch where the room may run out or a holder may
+//!   have to make room goes block by block.
 //! - **Per-replica run sets** make ALL_CLEARED cost what the replica held,
 //!   and a run whose last cell goes is freed with its keys at once.
 //!

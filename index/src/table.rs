@@ -19,6 +19,14 @@
 //! miss per key otherwise). Keys in one stretch of slots therefore share
 //! their tag's low bits; the bits above the table's size still tell them
 //! apart (8 bits at 16M slots), so a probe rarely checks a run in vain.
+//!
+//! The writer's search (`find_or_vacant`, one per new block) is the costly
+//! part of ingest for a key that is absent: it walks to the end of the
+//! cluster. It reads the slots with plain loads (the writer alone changes
+//! them), through a slice of exactly `mask + 1` slots so that a masked index
+//! needs no bounds check, and tests the tag first: a slot under another tag
+//! costs one test. A new table is zeroed by the allocator, and growth fills
+//! it without counting per entry (no reader sees it before the swap).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
