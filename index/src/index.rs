@@ -366,6 +366,7 @@ impl CacheIndex {
             return report;
         }
         let mut accepted = self.accept(update, sender.part, &mut report);
+        self.touch_first_blocks(&accepted);
         let quota_room = self.quota_room(update, &accepted.parts);
         let written = self.write(update, sender.replica, &mut accepted, quota_room, now_ms);
         report.accepted_prefixes = written.prefixes;
@@ -477,6 +478,20 @@ impl CacheIndex {
             });
         }
         accepted
+    }
+
+    /// Starts loading the key-table slot of each accepted chain's first
+    /// block, so that its miss overlaps the quota check and taking the
+    /// writer: the store's walk of a chain needs that slot first, and the
+    /// blocks after it are prefetched by the walk itself.
+    fn touch_first_blocks(&self, accepted: &Accepted<'_>) {
+        let reader = self.store.reader();
+        for p in accepted.prefixes.iter().take(4) {
+            if let Some(hash) = (!p.prefix.chain.is_empty()).then(|| p.prefix.chain.hashes.hash(0))
+            {
+                reader.touch(&Key::new(accepted.parts[p.slot].part, hash));
+            }
+        }
     }
 
     /// New entries the tenant's quota still allows (enforced here as well
