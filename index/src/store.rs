@@ -1593,7 +1593,7 @@ impl Writing<'_> {
             if i < end {
                 let probe = blocks.key(part, i).probe;
                 probes[i % AHEAD] = probe;
-                table.touch(probe);
+                table.touch_path(probe);
             }
         };
         for i in first + 1..first + 1 + AHEAD {

@@ -177,6 +177,17 @@ impl KeyTable {
         crate::store::prefetch(&self.slots[self.home(probe)]);
     }
 
+    /// [`touch`](Self::touch), and the slots eight on: a search for an
+    /// absent key (the writer's, for a new block) runs on past its home
+    /// slot, often into the next cache line.
+    pub fn touch_path(&self, probe: Probe) {
+        let mask = self.mask;
+        let slots = &self.slots[..=mask];
+        let home = (probe.tag >> 32) as usize;
+        crate::store::prefetch(&slots[home & mask]);
+        crate::store::prefetch(&slots[(home + 8) & mask]);
+    }
+
     /// Whether one more insert needs a bigger table.
     pub fn full(&self) -> bool {
         (self.used.load(Ordering::Relaxed) as usize + 1) * 8 > self.slots.len() * 7
