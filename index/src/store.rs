@@ -1323,7 +1323,7 @@ impl Writing<'_> {
             });
             match next {
                 Ok((run, pos)) => {
-                    let taken = self.claim_from(run, pos, blocks, i, claim, h);
+                    let taken = self.claim_from(part, run, pos, blocks, i, claim, h);
                     prev = Some((run, pos + taken - 1));
                     ended = true;
                     i += taken;
@@ -1349,8 +1349,10 @@ impl Writing<'_> {
     /// blocks after it that the run holds at the positions after it;
     /// returns how many it claimed (the run's next position does not hold
     /// the next block).
+    #[expect(clippy::too_many_arguments, reason = "one private call site")]
     fn claim_from<B: Blocks + ?Sized>(
         &mut self,
+        part: PartitionId,
         run: u32,
         pos: usize,
         blocks: &B,
@@ -1362,6 +1364,11 @@ impl Writing<'_> {
             return 1;
         };
         let n = 1 + blocks.held_from(first + 1, body, pos + 1, body.len());
+        // The block after the stretch is searched for next (a shared head
+        // ends, a private tail begins): start its miss before the claim.
+        if first + n < blocks.len() {
+            self.w.table.touch_path(blocks.key(part, first + n).probe);
+        }
         // A holder may have to make room, or the room may run out: block
         // by block (neither changes the run's hashes or length).
         if body.row_count() >= h.max_holders.max(1) || h.room < n as i64 {
