@@ -21,12 +21,12 @@ use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::messages::{
-    CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport, EvictionReason,
-    IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport, ScopeState,
-    Snapshot, TenantSnapshot, Tier,
+    BlockHashes, CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport,
+    EvictionReason, IngestReport, PROBE_TENANT, PrefixReport, ReplicaState, ReplicaStatsReport,
+    ScopeState, Snapshot, TenantSnapshot, Tier,
 };
 use crate::policy::PolicySet;
-use crate::store::{Claim, Holding, Key, Removed, Store};
+use crate::store::{Claim, Holding, Key, NarrowChain, Removed, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
@@ -366,6 +366,7 @@ impl CacheIndex {
             return report;
         }
         let mut accepted = self.accept(update, sender.part, &mut report);
+        self.touch_first_blocks(&accepted);
         let quota_room = self.quota_room(update, &accepted.parts);
         let written = self.write(update, sender.replica, &mut accepted, quota_room, now_ms);
         report.accepted_prefixes = written.prefixes;
@@ -479,6 +480,20 @@ impl CacheIndex {
         accepted
     }
 
+    /// Starts loading the key-table slot of each accepted chain's first
+    /// block, so that its miss overlaps the quota check and taking the
+    /// writer: the store's walk of a chain needs that slot first, and the
+    /// blocks after it are prefetched by the walk itself.
+    fn touch_first_blocks(&self, accepted: &Accepted<'_>) {
+        let reader = self.store.reader();
+        for p in accepted.prefixes.iter().take(4) {
+            if let Some(hash) = (!p.prefix.chain.is_empty()).then(|| p.prefix.chain.hashes.hash(0))
+            {
+                reader.touch(&Key::new(accepted.parts[p.slot].part, hash));
+            }
+        }
+    }
+
     /// New entries the tenant's quota still allows (enforced here as well
     /// as by the sweep).
     fn quota_room(&self, update: &CacheUpdate, parts: &[UpdatePart<'_>]) -> i64 {
@@ -551,17 +566,29 @@ impl CacheIndex {
             let part = parts[slot].part;
             let claim = claim_at(tier);
             let before = (holding.added, holding.new_keys, holding.displaced.len());
-            keys.clear();
             let chain = &prefix.chain;
-            keys.extend(
-                (chain.hashes.refs())
-                    .zip(&chain.token_counts)
-                    .map(|(hash, &count)| (Key::new(part, hash), count)),
-            );
-            w.hold(part, &keys, claim, &mut holding);
+            match &chain.hashes {
+                // 8-byte hashes: keys are built from the words as needed.
+                BlockHashes::Narrow(hashes) => {
+                    let blocks = NarrowChain {
+                        hashes,
+                        counts: &chain.token_counts,
+                    };
+                    w.hold(part, &blocks, claim, &mut holding);
+                }
+                BlockHashes::Wide { .. } => {
+                    keys.clear();
+                    keys.extend(
+                        (chain.hashes.refs())
+                            .zip(&chain.token_counts)
+                            .map(|(hash, &count)| (Key::new(part, hash), count)),
+                    );
+                    w.hold(part, &keys[..], claim, &mut holding);
+                }
+            }
             if !prefix.prefix_hash.is_empty() {
                 let key = Key::of_bytes(part, &prefix.prefix_hash);
-                w.hold(part, &[(key, prefix.token_count)], claim, &mut holding);
+                w.hold(part, &[(key, prefix.token_count)][..], claim, &mut holding);
             }
             parts[slot].added += holding.added - before.0;
             parts[slot].new_keys += holding.new_keys - before.1;

@@ -38,9 +38,22 @@
 //!   clears and sweeps. In-place writes are cell refreshes, new cells in a
 //!   free row slot and appended positions; adding a row past the row
 //!   capacity, growing a run or dropping rows builds a new body and swaps it
-//!   in; the old one is freed when its last reader lets go. A reader may see
-//!   a run between two writes of one update, which is the same answer as a
-//!   lookup that ran between the two.
+//!   in (a rebuild writes each word of the new data once, copied or zero,
+//!   prefix words included); the old one is freed when its last reader
+//!   lets go. A reader may see a run between two writes of one update,
+//!   which is the same answer as a lookup that ran between the two.
+//! - **Ingest goes a stretch at a time** ([`Writing::hold`]): the blocks a
+//!   run holds one after the other from the first one located (the report's
+//!   words compared with the run's side by side) are claimed with one row
+//!   lookup, one token-count pass (two to a word) and one prefix update
+//!   (one check for the whole stretch: cut once if its first write would
+//!   break the word, lengthened once after); new blocks that follow one
+//!   another are appended in one pass, each published and inserted as it
+//!   goes (so a later block of the same report finds it) and the prefix
+//!   taken in at the end. Appends start the key-table misses of the next
+//!   `AHEAD` blocks and keep their probes; a block found in a run needs no
+//!   probe at all. A stretch where the room may run out or a holder may
+//!   have to make room goes block by block.
 //! - **Per-replica run sets** make ALL_CLEARED cost what the replica held,
 //!   and a run whose last cell goes is freed with its keys at once.
 //!
@@ -63,6 +76,8 @@ use crate::table::{KeyTable, Probe, Vacant};
 
 /// Blocks one run holds at most.
 pub(crate) const RUN_BLOCKS: usize = 64;
+/// New blocks whose key-table slots an append starts loading ahead.
+const AHEAD: usize = 16;
 const POS_BITS: u32 = 6;
 /// Runs the store can address.
 const MAX_RUNS: u32 = 1 << (32 - POS_BITS);
@@ -148,6 +163,97 @@ impl<'a> Key<'a> {
 
     pub fn of_bytes(part: PartitionId, bytes: &'a [u8]) -> Self {
         Self::new(part, HashRef::from_bytes(bytes))
+    }
+}
+
+/// The blocks of one report, in order, as [`Writing::hold`] reads them:
+/// each block's hash and token count, its key built only where it is
+/// needed (a block found at the next position of a run needs its word
+/// alone, not its table probe).
+pub(crate) trait Blocks {
+    /// Number of blocks.
+    fn len(&self) -> usize;
+    /// Block `i`'s hash.
+    fn hash(&self, i: usize) -> HashRef<'_>;
+    /// Block `i`'s token count.
+    fn count(&self, i: usize) -> u32;
+    /// Block `i`'s word (what a run stores).
+    fn word(&self, i: usize) -> u64 {
+        self.hash(i).word()
+    }
+    /// Block `i`'s key in `part`.
+    fn key(&self, part: PartitionId, i: usize) -> Key<'_> {
+        Key::new(part, self.hash(i))
+    }
+
+    /// How many blocks from `i` on `body` holds one after the other at its
+    /// positions from `pos` on, below `len`.
+    fn held_from(&self, i: usize, body: &Body, pos: usize, len: usize) -> usize {
+        (i..self.len())
+            .zip(pos..len)
+            .take_while(|&(i, p)| {
+                let hash = self.hash(i);
+                body.holds(p, hash, hash.word())
+            })
+            .count()
+    }
+}
+
+/// Keys resolved up front (any width), with their token counts.
+impl Blocks for [(Key<'_>, u32)] {
+    fn len(&self) -> usize {
+        <[_]>::len(self)
+    }
+
+    fn hash(&self, i: usize) -> HashRef<'_> {
+        self[i].0.hash
+    }
+
+    fn count(&self, i: usize) -> u32 {
+        self[i].1
+    }
+
+    fn word(&self, i: usize) -> u64 {
+        self[i].0.word
+    }
+
+    fn key(&self, _: PartitionId, i: usize) -> Key<'_> {
+        self[i].0
+    }
+}
+
+/// A chain of 8-byte hashes (big-endian, as on the wire) and its token
+/// counts: a block's word is its hash, so a key costs one mix.
+pub(crate) struct NarrowChain<'a> {
+    pub hashes: &'a [[u8; 8]],
+    pub counts: &'a [u32],
+}
+
+impl Blocks for NarrowChain<'_> {
+    fn len(&self) -> usize {
+        self.counts.len().min(self.hashes.len())
+    }
+
+    fn hash(&self, i: usize) -> HashRef<'_> {
+        HashRef::Narrow(u64::from_be_bytes(self.hashes[i]))
+    }
+
+    fn count(&self, i: usize) -> u32 {
+        self.counts[i]
+    }
+
+    /// The chain's words against the run's, side by side.
+    fn held_from(&self, i: usize, body: &Body, pos: usize, len: usize) -> usize {
+        if body.is_wide() || pos >= len {
+            return 0;
+        }
+        let stored = &body.data.words[HEAD + pos..HEAD + len];
+        let asked = self.hashes.get(i..).unwrap_or_default();
+        stored
+            .iter()
+            .zip(asked)
+            .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
+            .count()
     }
 }
 
@@ -270,6 +376,59 @@ impl RunData {
         }
     }
 
+    /// A copy of `old`'s first `len` positions with block capacity `cap`
+    /// and `row_cap` row slots, slot `s` holding the cells and prefix of
+    /// `old`'s slot `from[s]` (none: an empty slot), `from.len()` of them
+    /// handed out. Every word is written once, copied or zero, into memory
+    /// the allocator did not clear (a rebuild would otherwise write each
+    /// word twice).
+    fn copied(old: &Self, len: usize, cap: usize, row_cap: usize, from: &[Option<usize>]) -> Self {
+        let counts = cap.div_ceil(2);
+        let n = HEAD + cap + counts + row_cap + row_cap * cap;
+        let mut words = Arc::<[AtomicU64]>::new_uninit_slice(n);
+        let mut fill = Fill {
+            out: Arc::get_mut(&mut words).expect("a new allocation has one owner"),
+            at: 0,
+        };
+        fill.word(from.len() as u64);
+        fill.copy(&old.words[HEAD..HEAD + len], cap);
+        let old_counts = HEAD + old.cap();
+        fill.copy(&old.words[old_counts..old_counts + len.div_ceil(2)], counts);
+        for slot in 0..row_cap {
+            let prefix = from.get(slot).copied().flatten().map(|f| old.prefix(f));
+            fill.word(prefix.map_or(0, |p| p.load(Ordering::Relaxed)));
+        }
+        for slot in 0..row_cap {
+            match from.get(slot).copied().flatten() {
+                Some(f) => fill.copy(old.cells(f, 0, len), cap),
+                None => fill.copy(&[], cap),
+            }
+        }
+        fill.finish();
+        #[expect(
+            unsafe_code,
+            reason = "every element was written by `Fill`; an uninitialised allocation skips a clearing pass"
+        )]
+        // SAFETY: `Fill` writes its elements in order and `finish` writes
+        // every one not written yet, so all `n` elements are initialised.
+        let words = unsafe { words.assume_init() };
+        let wide = old.wide.as_ref().map(|from| {
+            let wide: WideBytes = (0..cap).map(|_| OnceLock::new()).collect();
+            for (to, from) in wide.iter().zip(from.iter()).take(len) {
+                if let Some(bytes) = from.get() {
+                    let _ = to.set(bytes.clone());
+                }
+            }
+            Arc::new(wide)
+        });
+        Self {
+            words,
+            wide,
+            cap: cap as u32,
+            row_cap: row_cap as u32,
+        }
+    }
+
     fn cap(&self) -> usize {
         self.cap as usize
     }
@@ -291,10 +450,6 @@ impl RunData {
         self.words[HEAD + pos].load(Ordering::Relaxed)
     }
 
-    fn set_hash(&self, pos: usize, word: u64) {
-        self.words[HEAD + pos].store(word, Ordering::Relaxed);
-    }
-
     fn count_word(&self, pos: usize) -> &AtomicU64 {
         &self.words[HEAD + self.cap() + pos / 2]
     }
@@ -314,6 +469,31 @@ impl RunData {
         }
     }
 
+    /// Sets the token counts of positions `from..from + n` to `count(k)`
+    /// for `k` in `0..n` (writer only), two to a word where both halves
+    /// are set; a word is stored only where it changes.
+    fn set_counts(&self, from: usize, n: usize, count: impl Fn(usize) -> u32) {
+        let cap = self.cap();
+        let words = &self.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        let mut k = 0;
+        while k < n {
+            let pos = from + k;
+            let word = &words[pos / 2];
+            let old = word.load(Ordering::Relaxed);
+            let next = if pos.is_multiple_of(2) && k + 1 < n {
+                k += 2;
+                u64::from(count(k - 2)) | (u64::from(count(k - 1)) << 32)
+            } else {
+                let shift = (pos & 1) * 32;
+                k += 1;
+                (old & !(0xFFFF_FFFFu64 << shift)) | (u64::from(count(k - 1)) << shift)
+            };
+            if next != old {
+                word.store(next, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Where the prefix words start in `words`; the cells follow them.
     fn prefixes_at(&self) -> usize {
         let cap = self.cap();
@@ -323,6 +503,11 @@ impl RunData {
     /// The [`Prefix`] word of row slot `slot`.
     fn prefix(&self, slot: usize) -> &AtomicU64 {
         &self.words[self.prefixes_at() + slot]
+    }
+
+    /// Every row slot's cells, slot after slot (`cap` each).
+    fn cells_from(&self) -> &[AtomicU64] {
+        &self.words[self.prefixes_at() + self.row_cap()..]
     }
 
     /// Cells of row slot `slot`, positions `from..to`.
@@ -363,10 +548,109 @@ impl RunData {
         &self.cells(slot, pos, pos + 1)[0]
     }
 
+    /// Sets slot `slot`'s cells at `from..to` to held cells at `tier`, last
+    /// seen `last_seen` (writer only): a cell that was held keeps its access
+    /// count, one that was not starts at 0 and its position goes to `fresh`
+    /// before it is written. One check keeps the slot's [`Prefix`] true
+    /// for the whole stretch: if the first write would break it, it is cut
+    /// to `from` first; each later write follows a cell just written with
+    /// the same second and tier, and the old cells after the first are not
+    /// older than the one after it, so none of them breaks it. A prefix
+    /// that reaches the stretch is lengthened over it afterwards.
+    fn set_stretch(
+        &self,
+        slot: usize,
+        from: usize,
+        to: usize,
+        last_seen: u32,
+        tier: u8,
+        mut fresh: impl FnMut(usize),
+    ) {
+        let cells = self.cells(slot, 0, self.cap());
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
+        let n = prefix.len();
+        if from < n {
+            let seen = |p: usize| Cell(cells[p].load(Ordering::Relaxed)).last_seen();
+            let keeps = tier == prefix.tier()
+                && (from == 0 || seen(from - 1) <= last_seen)
+                && (from + 1 >= n || last_seen <= seen(from + 1));
+            if !keeps {
+                word.store(prefix.cut(from).0, Ordering::Relaxed);
+            }
+        }
+        for (pos, c) in (from..).zip(&cells[from..to]) {
+            let old = Cell(c.load(Ordering::Relaxed));
+            let access = if old.held() {
+                old.access()
+            } else {
+                fresh(pos);
+                0
+            };
+            // `Release`: a reader that sees this cell sees a cut prefix.
+            c.store(Cell::new(last_seen, tier, access).0, Ordering::Release);
+        }
+        self.join_prefix(slot, from, to, last_seen, tier);
+    }
+
+    /// Lengthens slot `slot`'s prefix over cells `from..to`, just written
+    /// held at `tier` and `last_seen`, when it ends inside them or at their
+    /// start with a cell they may follow, and on over the held cells after
+    /// them that keep the tier and are not older (writer only).
+    fn join_prefix(&self, slot: usize, from: usize, to: usize, last_seen: u32, tier: u8) {
+        let cells = self.cells(slot, 0, self.cap());
+        let word = self.prefix(slot);
+        let prefix = Prefix(word.load(Ordering::Relaxed));
+        let n = prefix.len();
+        let joins = from <= n
+            && n < to
+            && (n > from
+                || n == 0
+                || (prefix.tier() == tier
+                    && Cell(cells[n - 1].load(Ordering::Relaxed)).last_seen() <= last_seen));
+        if joins {
+            extend_over(cells, word, prefix, to, tier, last_seen);
+        }
+    }
+
     /// Lengthens slot `slot`'s prefix over the held cells after it that
     /// keep its tier and do not get older.
     fn extend_prefix(&self, slot: usize) {
         grow_prefix(self.cells(slot, 0, self.cap()), self.prefix(slot));
+    }
+}
+
+/// Writes a new allocation's words in order (see [`RunData::copied`]).
+struct Fill<'a> {
+    out: &'a mut [std::mem::MaybeUninit<AtomicU64>],
+    at: usize,
+}
+
+impl Fill<'_> {
+    fn word(&mut self, w: u64) {
+        if let Some(slot) = self.out.get_mut(self.at) {
+            slot.write(AtomicU64::new(w));
+            self.at += 1;
+        }
+    }
+
+    /// `from` and zeros after it, `n` words in all.
+    fn copy(&mut self, from: &[AtomicU64], n: usize) {
+        let end = (self.at + n).min(self.out.len());
+        let (to, zeros) = self.out[self.at..end].split_at_mut(from.len().min(end - self.at));
+        for (to, from) in to.iter_mut().zip(from) {
+            to.write(AtomicU64::new(from.load(Ordering::Relaxed)));
+        }
+        for to in zeros {
+            to.write(AtomicU64::new(0));
+        }
+        self.at = end;
+    }
+
+    /// Zeros every word not written yet.
+    fn finish(mut self) {
+        let rest = self.out.len() - self.at;
+        self.copy(&[], rest);
     }
 }
 
@@ -375,15 +659,29 @@ impl RunData {
 fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
     let prefix = Prefix(word.load(Ordering::Relaxed));
     let start = prefix.len();
-    let (mut tier, mut last) = match start.checked_sub(1) {
+    let (tier, last) = match start.checked_sub(1) {
         Some(p) => (
             prefix.tier(),
             Cell(cells[p].load(Ordering::Relaxed)).last_seen(),
         ),
         None => (0, 0),
     };
-    let mut n = start;
-    for c in &cells[start..] {
+    extend_over(cells, word, prefix, start, tier, last);
+}
+
+/// Stores `prefix` lengthened to `from` (its last cell at `tier`, seen
+/// `last`; any tier when `from` is 0) and on over the held cells from
+/// `from` that keep the tier and are not older (writer only).
+fn extend_over(
+    cells: &[AtomicU64],
+    word: &AtomicU64,
+    prefix: Prefix,
+    from: usize,
+    mut tier: u8,
+    mut last: u32,
+) {
+    let mut n = from;
+    for c in &cells[from..] {
         let c = Cell(c.load(Ordering::Relaxed));
         if !c.held() || (n > 0 && (c.tier() != tier || c.last_seen() < last)) {
             break;
@@ -392,7 +690,7 @@ fn grow_prefix(cells: &[AtomicU64], word: &AtomicU64) {
         last = c.last_seen();
         n += 1;
     }
-    if n != start {
+    if n != prefix.len() {
         // `Release`: the cells it covers were written before.
         word.store(prefix.grown(n, tier).0, Ordering::Release);
     }
@@ -847,13 +1145,6 @@ pub(crate) struct Claim {
     pub tier: u8,
 }
 
-/// A block no run holds yet: its key, token count and key-table slot.
-struct NewBlock<'k, 'h> {
-    key: &'k Key<'h>,
-    count: u32,
-    vacant: Vacant,
-}
-
 /// What an ingest may add and what it did.
 #[derive(Debug, Default)]
 pub(crate) struct Holding {
@@ -943,14 +1234,24 @@ impl Writing<'_> {
         self.locate_or_vacant(part, key).ok()
     }
 
-    /// Where `key` is, or the key-table slot it would go to.
+    /// Where `key` is, or the key-table slot it would go to. The search is
+    /// inlined into its callers; a slot under the key's tag (rare on the
+    /// way to an absent key's slot) is checked out of line.
+    #[inline]
     fn locate_or_vacant(&self, part: PartitionId, key: &Key<'_>) -> Result<(u32, usize), Vacant> {
-        let loc = self.w.table.find_or_vacant(key.probe, |loc| {
-            let (run, pos) = split(loc);
-            self.body(run)
-                .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
-        })?;
+        let loc = self
+            .w
+            .table
+            .find_or_vacant(key.probe, |loc| self.holds_at(part, key, loc))?;
         Ok(split(loc))
+    }
+
+    /// Whether location `loc` holds `key` in `part`.
+    #[inline(never)]
+    fn holds_at(&self, part: PartitionId, key: &Key<'_>, loc: u32) -> bool {
+        let (run, pos) = split(loc);
+        self.body(run)
+            .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
     }
 
     fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
@@ -962,14 +1263,22 @@ impl Writing<'_> {
 
     /// Adds a key at `at`, in the slot its failed search found (nothing was
     /// inserted since: one key is added at a time), or anew in a grown table.
+    #[inline]
     fn insert_key(&mut self, probe: Probe, at: u32, vacant: Vacant) {
         if self.w.table.full() {
-            let next = self.w.table.rebuilt(0);
-            self.swap_table(next);
-            self.w.table.insert(probe, at);
+            self.grow_table_with(probe, at);
         } else {
             self.w.table.insert_at(vacant, probe, at);
         }
+    }
+
+    /// Swaps in a grown table holding the key at `at` as well.
+    #[cold]
+    #[inline(never)]
+    fn grow_table_with(&mut self, probe: Probe, at: u32) {
+        let next = self.w.table.rebuilt(0);
+        self.swap_table(next);
+        self.w.table.insert(probe, at);
     }
 
     fn swap_table(&mut self, next: KeyTable) {
@@ -1001,49 +1310,131 @@ impl Writing<'_> {
         Some(id)
     }
 
-    /// Records that `replica` claims `keys` (in report order) in `part`.
-    pub fn hold(
+    /// Records that `replica` claims `blocks` (in report order) in `part`.
+    ///
+    /// A report's blocks are taken a stretch at a time: the blocks a run
+    /// holds one after the other from the first one located are claimed
+    /// with one row lookup and one prefix update, and new blocks that
+    /// follow one another are appended to one run, each published as it is
+    /// added (the table still needs one probe per new block, to keep every
+    /// key at one position).
+    pub fn hold<B: Blocks + ?Sized>(
         &mut self,
         part: PartitionId,
-        keys: &[(Key<'_>, u32)],
+        blocks: &B,
         claim: Claim,
         h: &mut Holding,
     ) {
-        // Start every key's table miss at once; the loop below then finds
-        // them in cache instead of waiting for one after the other.
-        if keys.len() > 1 {
-            let table = &self.w.table;
-            for (key, _) in keys {
-                table.touch(key.probe);
-            }
-        }
+        let n = blocks.len();
+        // Where the previous block went, and whether the stretch claimed
+        // there is known to end before the next block.
         let mut prev: Option<(u32, usize)> = None;
-        for (i, (key, count)) in keys.iter().enumerate() {
-            let next = prev
-                .and_then(|(run, pos)| {
-                    let body = self.body(run)?;
-                    (pos + 1 < body.len() && body.holds_key(pos + 1, key)).then_some((run, pos + 1))
-                })
-                .map_or_else(|| self.locate_or_vacant(part, key), Ok);
-            prev = match next {
+        let mut ended = false;
+        // The search for the next block, when the appends made it already.
+        let mut ahead = None;
+        let mut i = 0;
+        while i < n {
+            let next = ahead.take().unwrap_or_else(|| {
+                let hash = blocks.hash(i);
+                prev.filter(|_| !ended)
+                    .and_then(|(run, pos)| {
+                        let body = self.body(run)?;
+                        (pos + 1 < body.len() && body.holds(pos + 1, hash, hash.word()))
+                            .then_some((run, pos + 1))
+                    })
+                    .map_or_else(|| self.locate_or_vacant(part, &blocks.key(part, i)), Ok)
+            });
+            match next {
                 Ok((run, pos)) => {
-                    self.claim_at(run, pos, *count, claim, h);
-                    Some((run, pos))
+                    let taken = self.claim_from(part, run, pos, blocks, i, claim, h);
+                    prev = Some((run, pos + taken - 1));
+                    ended = true;
+                    i += taken;
                 }
                 Err(_) if h.room <= 0 => {
                     h.refused += 1;
-                    None
+                    prev = None;
+                    i += 1;
                 }
                 Err(vacant) => {
-                    let block = NewBlock {
-                        key,
-                        count: *count,
-                        vacant,
-                    };
-                    self.add_block(part, prev, block, claim, keys.len() - i, h)
+                    let (at, taken, searched) =
+                        self.add_blocks(part, prev, vacant, blocks, i, claim, h);
+                    prev = at;
+                    ended = true;
+                    ahead = searched;
+                    i += taken;
                 }
-            };
+            }
         }
+    }
+
+    /// Claims block `first`, located at `run`'s position `pos`, and the
+    /// blocks after it that the run holds at the positions after it;
+    /// returns how many it claimed (the run's next position does not hold
+    /// the next block).
+    #[expect(clippy::too_many_arguments, reason = "one private call site")]
+    fn claim_from<B: Blocks + ?Sized>(
+        &mut self,
+        part: PartitionId,
+        run: u32,
+        pos: usize,
+        blocks: &B,
+        first: usize,
+        claim: Claim,
+        h: &mut Holding,
+    ) -> usize {
+        let Some(body) = self.body(run) else {
+            return 1;
+        };
+        let n = 1 + blocks.held_from(first + 1, body, pos + 1, body.len());
+        // The block after the stretch is searched for next (a shared head
+        // ends, a private tail begins): start its miss before the claim.
+        if first + n < blocks.len() {
+            self.w.table.touch_path(blocks.key(part, first + n).probe);
+        }
+        // A holder may have to make room, or the room may run out: block
+        // by block (neither changes the run's hashes or length).
+        if body.row_count() >= h.max_holders.max(1) || h.room < n as i64 {
+            for k in 0..n {
+                self.claim_at(run, pos + k, blocks.count(first + k), claim, h);
+            }
+            return n;
+        }
+        body.data.set_counts(pos, n, |k| blocks.count(first + k));
+        let row = match body.row(claim.replica) {
+            Some(row) => row,
+            None => match self.ensure_row(run, claim.replica) {
+                Some(row) => row,
+                None => return n,
+            },
+        };
+        // The body is borrowed, not cloned: a reference count changed per
+        // stretch costs an atomic instruction on the body's line.
+        let w = &mut *self.w;
+        let Some(body) = w.bodies.get(run as usize).and_then(Option::as_ref) else {
+            return n;
+        };
+        let data = &body.data;
+        let slot = body.rows[row].slot as usize;
+        // A new cell is a new key where no other row holds the position.
+        let rows: &[Row] = &body.rows;
+        let (cells, cap) = (data.cells_from(), data.cap());
+        let (mut added, mut new_keys) = (0u32, 0i64);
+        data.set_stretch(slot, pos, pos + n, claim.last_seen, claim.tier, |p| {
+            added += 1;
+            let held = rows.iter().any(|r| {
+                let s = r.slot as usize;
+                s != slot && Cell(cells[s * cap + p].load(Ordering::Relaxed)).held()
+            });
+            new_keys += i64::from(!held);
+        });
+        w.live[run as usize] += added;
+        w.entries += u64::from(added);
+        h.written += n as u64;
+        h.added += i64::from(added);
+        h.room -= i64::from(added);
+        h.new_keys += new_keys;
+        n
     }
 
     fn claim_at(&mut self, run: u32, pos: usize, count: u32, claim: Claim, h: &mut Holding) {
@@ -1128,7 +1519,7 @@ impl Writing<'_> {
         let used = data.used_rows();
         let next = if used < data.row_cap() {
             data.set_used_rows(used + 1);
-            let mut rows: Vec<Row> = body.rows.to_vec();
+            let mut rows = body.rows.clone();
             let at = rows.partition_point(|r| r.replica < replica);
             rows.insert(
                 at,
@@ -1137,12 +1528,7 @@ impl Writing<'_> {
                     slot: used as u32,
                 },
             );
-            Body::new(
-                body.part,
-                body.len(),
-                Rows::from_vec(rows),
-                body.data.clone(),
-            )
+            Body::new(body.part, body.len(), rows, body.data.clone())
         } else {
             rebuilt(body, data.cap(), Some(replica))
         };
@@ -1150,24 +1536,38 @@ impl Writing<'_> {
         self.publish(run, next).row(replica)
     }
 
-    fn add_block(
+    /// Adds block `first` (absent; its search stopped at `vacant`) and the
+    /// absent blocks after it to the run of the previous block when that
+    /// block ends it, else to a new run, up to the run's capacity; returns
+    /// where the last one went, how many it added and, when it searched for
+    /// the block after them, what that search found.
+    #[expect(clippy::type_complexity, reason = "one private call site")]
+    #[expect(clippy::too_many_arguments, reason = "one private call site")]
+    fn add_blocks<B: Blocks + ?Sized>(
         &mut self,
         part: PartitionId,
         prev: Option<(u32, usize)>,
-        NewBlock { key, count, vacant }: NewBlock<'_, '_>,
+        vacant: Vacant,
+        blocks: &B,
+        first: usize,
         claim: Claim,
-        remaining: usize,
         h: &mut Holding,
-    ) -> Option<(u32, usize)> {
+    ) -> (
+        Option<(u32, usize)>,
+        usize,
+        Option<Result<(u32, usize), Vacant>>,
+    ) {
+        let wide = blocks.hash(first).is_wide();
         // Append to the run of the previous block when that block ends it.
         let tail = prev.filter(|&(run, pos)| {
-            self.body(run).is_some_and(|b| {
-                pos + 1 == b.len() && pos + 1 < RUN_BLOCKS && b.is_wide() == key.hash.is_wide()
-            })
+            self.body(run)
+                .is_some_and(|b| pos + 1 == b.len() && pos + 1 < RUN_BLOCKS && b.is_wide() == wide)
         });
-        let (run, pos) = match tail {
+        let (run, start) = match tail {
             Some((run, pos)) => {
-                let body = self.body(run)?;
+                let Some(body) = self.body(run) else {
+                    return (None, 1, None);
+                };
                 if pos + 1 == body.data.cap() {
                     let cap = (body.data.cap() * 2).clamp(pos + 2, RUN_BLOCKS);
                     let next = rebuilt(body, cap, None);
@@ -1178,11 +1578,11 @@ impl Writing<'_> {
             None => {
                 let Some(run) = self.new_run_id() else {
                     h.refused += 1;
-                    return None;
+                    return (None, 1, None);
                 };
                 // The new run starts with the claiming replica's row.
-                let cap = remaining.clamp(1, RUN_BLOCKS);
-                let data = RunData::new(cap, 1, key.hash.is_wide());
+                let cap = (blocks.len() - first).clamp(1, RUN_BLOCKS);
+                let data = RunData::new(cap, 1, wide);
                 data.set_used_rows(1);
                 let rows = Rows::from_slice(&[Row {
                     replica: claim.replica,
@@ -1197,25 +1597,92 @@ impl Writing<'_> {
                 (run, 0)
             }
         };
-        let row = self.ensure_row(run, claim.replica)?;
-        let body = self.body(run)?;
+        let Some(row) = self.ensure_row(run, claim.replica) else {
+            return (None, 1, None);
+        };
+        // One reference for the whole stretch: the table may grow (a new
+        // table, `&mut self`) while the run's body stays.
+        let Some(body) = self.body(run).cloned() else {
+            return (None, 1, None);
+        };
         let data = &body.data;
-        data.set_hash(pos, key.word);
-        data.set_count(pos, count);
-        if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
-            let _ = wide[pos].set(bytes.into());
+        let slot = body.rows[row].slot as usize;
+        let cap = data.cap();
+        let hashes = &data.words[HEAD..HEAD + cap];
+        let counts = &data.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        let cells = data.cells(slot, 0, cap);
+        let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
+        // Start the table misses of the next few blocks (most likely new
+        // as well) so that they are under way together; a block found in
+        // a run needs no probe, so only new ones look ahead.
+        // Their probes are kept for their own searches.
+        let end = blocks.len();
+        let mut key = blocks.key(part, first);
+        let mut probes = [key.probe; AHEAD];
+        let ahead = |i: usize, table: &KeyTable, probes: &mut [Probe; AHEAD]| {
+            if i < end {
+                let probe = blocks.key(part, i).probe;
+                probes[i % AHEAD] = probe;
+                table.touch_path(probe);
+            }
+        };
+        for i in first + 1..first + 1 + AHEAD {
+            ahead(i, &self.w.table, &mut probes);
         }
-        body.set(row, pos, Cell::new(claim.last_seen, claim.tier, 0));
-        body.publish_len(pos + 1);
-        // The slot its failed search found: nothing since touched the table.
-        self.insert_key(key.probe, loc(run, pos), vacant);
-        self.w.live[run as usize] += 1;
-        self.w.entries += 1;
-        h.room -= 1;
-        h.written += 1;
-        h.added += 1;
-        h.new_keys += 1;
-        Some((run, pos))
+        let mut pos = start;
+        let mut vacant = vacant;
+        let mut room = h.room;
+        let mut added = 0;
+        let searched = loop {
+            hashes[pos].store(key.word, Ordering::Relaxed);
+            // A position past the length has a zero count: an even one
+            // sets its word, an odd one the upper half of its word.
+            let count = u64::from(blocks.count(first + added));
+            let word = &counts[pos / 2];
+            if pos.is_multiple_of(2) {
+                word.store(count, Ordering::Relaxed);
+            } else {
+                let low = word.load(Ordering::Relaxed) & 0xFFFF_FFFF;
+                word.store(low | (count << 32), Ordering::Relaxed);
+            }
+            if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
+                let _ = wide[pos].set(bytes.into());
+            }
+            cells[pos].store(cell, Ordering::Release);
+            body.publish_len(pos + 1);
+            // The slot its failed search found: nothing since touched the table.
+            self.insert_key(key.probe, loc(run, pos), vacant);
+            room -= 1;
+            added += 1;
+            let i = first + added;
+            if i == end {
+                break None;
+            }
+            let probe = probes[i % AHEAD];
+            ahead(i + AHEAD, &self.w.table, &mut probes);
+            key = Key {
+                hash: blocks.hash(i),
+                word: blocks.word(i),
+                probe,
+            };
+            match self.locate_or_vacant(part, &key) {
+                Err(next) if pos + 1 < cap && room > 0 && key.hash.is_wide() == wide => {
+                    vacant = next;
+                    pos += 1;
+                }
+                other => break Some(other),
+            }
+        };
+        // The prefix was left as it was while the cells were added (true,
+        // if short); it takes them in now.
+        data.join_prefix(slot, start, pos + 1, claim.last_seen, claim.tier);
+        self.w.live[run as usize] += added as u32;
+        self.w.entries += added as u64;
+        h.room = room;
+        h.written += added as u64;
+        h.added += added as i64;
+        h.new_keys += added as i64;
+        (Some((run, pos)), added, searched)
     }
 
     /// Removes `replica`'s claim on a key; returns (entry removed, key removed).
@@ -1418,36 +1885,31 @@ fn row_capacity(rows: usize) -> usize {
 /// A copy of `body` with `cap` block capacity, its live rows packed into
 /// fresh slots and a row for `add` if given.
 fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
-    let old = &body.data;
-    let mut rows: Vec<Row> = body.rows.to_vec();
+    /// Slot of a row that had none.
+    const NEW: u32 = u32::MAX;
+    let mut rows = body.rows.clone();
     if let Some(replica) = add {
         let at = rows.partition_point(|r| r.replica < replica);
-        rows.insert(at, Row { replica, slot: 0 });
+        rows.insert(at, Row { replica, slot: NEW });
     }
-    let row_cap = row_capacity(rows.len());
-    let data = RunData::new(cap, row_cap, old.wide.is_some());
+    let from: SmallVec<[Option<usize>; 8]> = rows
+        .iter_mut()
+        .enumerate()
+        .map(|(slot, row)| {
+            let from = std::mem::replace(&mut row.slot, slot as u32);
+            (from != NEW).then_some(from as usize)
+        })
+        .collect();
     let len = body.len();
-    for pos in 0..len {
-        data.set_hash(pos, old.hash(pos));
-        data.set_count(pos, old.count(pos));
-        if let (Some(from), Some(to)) = (&old.wide, &data.wide)
-            && let Some(bytes) = from[pos].get()
-        {
-            let _ = to[pos].set(bytes.clone());
-        }
-    }
-    for (slot, row) in rows.iter_mut().enumerate() {
-        let from = body.row(row.replica).map(|r| body.rows[r].slot as usize);
-        row.slot = slot as u32;
-        if let Some(from) = from {
-            for (to, from) in data.cells(slot, 0, len).iter().zip(old.cells(from, 0, len)) {
-                to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
+    let data = RunData::copied(&body.data, len, cap, row_capacity(rows.len()), &from);
+    // The same cells: each prefix holds for them as it is, and may reach
+    // further if it was cut short.
+    for (slot, from) in from.iter().enumerate() {
+        if from.is_some() {
             data.extend_prefix(slot);
         }
     }
-    data.set_used_rows(rows.len());
-    Body::new(body.part, len, Rows::from_vec(rows), data)
+    Body::new(body.part, len, rows, data)
 }
 
 #[cfg(test)]
@@ -1522,19 +1984,19 @@ mod tests {
         let store = Store::default();
         let mut w = store.write();
         let mut h = holding(1000);
-        w.hold(1, &keys(1, 0..10), claim(7, 100), &mut h);
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 100), &mut h);
         assert_eq!((h.added, h.new_keys, h.written), (10, 10, 10));
         assert_eq!(w.shape().1, 1, "one report, one run");
         // A second holder of the head and a divergent tail.
         let mut h = holding(1000);
         let mut other = keys(1, 0..4);
         other.extend(keys(1, 100..104));
-        w.hold(1, &other, claim(3, 101), &mut h);
+        w.hold(1, &other[..], claim(3, 101), &mut h);
         assert_eq!((h.added, h.new_keys), (8, 4));
         assert_eq!(w.shape(), (14, 2, w.shape().2));
         // A refresh adds nothing.
         let mut h = holding(0);
-        w.hold(1, &keys(1, 0..10), claim(7, 102), &mut h);
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 102), &mut h);
         assert_eq!((h.added, h.refused, h.written), (0, 0, 10));
         // A hole in the middle.
         assert_eq!(
@@ -1565,7 +2027,7 @@ mod tests {
     fn a_request_follows_a_run_exactly_as_far_as_its_hashes_agree() {
         let store = Store::default();
         let mut w = store.write();
-        w.hold(1, &keys(1, 0..64), claim(7, 100), &mut holding(1000));
+        w.hold(1, &keys(1, 0..64)[..], claim(7, 100), &mut holding(1000));
         drop(w);
         let reader = store.reader();
         for from in [0u64, 1, 3, 17, 60] {
@@ -1606,7 +2068,7 @@ mod tests {
         let report = |range: std::ops::Range<u64>, seen: u32| {
             store
                 .write()
-                .hold(1, &keys(1, range), claim(7, seen), &mut holding(1000));
+                .hold(1, &keys(1, range)[..], claim(7, seen), &mut holding(1000));
         };
         report(0..64, 100);
         assert_eq!(prefix_len(&store, 1, 0, 7), 64, "one report in order");
@@ -1627,7 +2089,7 @@ mod tests {
         };
         store
             .write()
-            .hold(1, &keys(1, 0..1), cold, &mut holding(1000));
+            .hold(1, &keys(1, 0..1)[..], cold, &mut holding(1000));
         assert_eq!(prefix_len(&store, 1, 0, 7), 1, "block 0 alone at T2");
         // Stretches read through the word and cell by cell agree.
         let reader = store.reader();
@@ -1653,19 +2115,79 @@ mod tests {
         let store = Store::default();
         let mut w = store.write();
         let mut h = holding(3);
-        w.hold(0, &keys(0, 0..5), claim(1, 10), &mut h);
+        w.hold(0, &keys(0, 0..5)[..], claim(1, 10), &mut h);
         assert_eq!((h.added, h.refused), (3, 2));
         let mut h = Holding {
             room: 10,
             max_holders: 2,
             ..Holding::default()
         };
-        w.hold(0, &keys(0, 0..1), claim(2, 11), &mut h);
-        w.hold(0, &keys(0, 0..1), claim(3, 12), &mut h);
+        w.hold(0, &keys(0, 0..1)[..], claim(2, 11), &mut h);
+        w.hold(0, &keys(0, 0..1)[..], claim(3, 12), &mut h);
         assert_eq!(h.displaced, vec![1], "the stalest holder made room");
         drop(w);
         assert_eq!(held(&store, 0, 0..1, 1), [false]);
         assert_eq!(held(&store, 0, 0..1, 3), [true]);
+    }
+
+    #[test]
+    fn a_block_named_twice_in_one_report_keeps_one_position() {
+        let store = Store::default();
+        let mut w = store.write();
+        let mut h = holding(1000);
+        let mut twice = keys(1, 0..3);
+        twice.extend(keys(1, 1..2));
+        twice.extend(keys(1, 3..5));
+        w.hold(1, &twice[..], claim(7, 100), &mut h);
+        assert_eq!((h.added, h.new_keys, h.written), (5, 5, 6));
+        assert_eq!(w.shape().0, 5, "five keys");
+        drop(w);
+        assert_eq!(held(&store, 1, 0..5, 7), vec![true; 5]);
+    }
+
+    #[test]
+    fn room_running_out_inside_a_stretch_refuses_the_rest() {
+        let store = Store::default();
+        let mut w = store.write();
+        w.hold(1, &keys(1, 0..10)[..], claim(7, 100), &mut holding(1000));
+        w.hold(1, &keys(1, 0..5)[..], claim(3, 100), &mut holding(1000));
+        // Five refreshes, then room for three of the five new cells.
+        let mut h = holding(3);
+        w.hold(1, &keys(1, 0..10)[..], claim(3, 101), &mut h);
+        assert_eq!((h.written, h.added, h.refused, h.new_keys), (8, 3, 2, 0));
+        drop(w);
+        let mut expect = vec![true; 8];
+        expect.extend([false, false]);
+        assert_eq!(held(&store, 1, 0..10, 3), expect);
+        // The prefix word agrees with the cells it covers.
+        assert_eq!(prefix_len(&store, 1, 0, 3), 8);
+    }
+
+    #[test]
+    fn wide_chains_append_and_claim_in_runs() {
+        let store = Store::default();
+        let bytes: Vec<[u8; 16]> = (0..6u8).map(|b| [b; 16]).collect();
+        let wide: Vec<(Key<'_>, u32)> = bytes
+            .iter()
+            .map(|b| (Key::new(2, HashRef::from_bytes(b)), 16))
+            .collect();
+        let mut w = store.write();
+        let mut h = holding(100);
+        w.hold(2, &wide[..4], claim(1, 10), &mut h);
+        w.hold(2, &wide[..], claim(2, 11), &mut h);
+        assert_eq!((h.added, h.new_keys, h.written), (10, 6, 10));
+        assert_eq!(w.shape().1, 1, "appended to the one run");
+        drop(w);
+        let reader = store.reader();
+        for (key, _) in &wide {
+            let (body, pos) = reader.locate(2, key).expect("stored");
+            let body = body.as_ref().expect("located body");
+            assert!(body.row(2).is_some_and(|r| body.cell(r, pos).held()));
+            assert_eq!(
+                body.row(1).is_some_and(|r| body.cell(r, pos).held()),
+                pos < 4
+            );
+        }
     }
 
     #[test]
@@ -1674,9 +2196,9 @@ mod tests {
         let mut w = store.write();
         let mut h = holding(1000);
         for r in 0..3 {
-            w.hold(0, &keys(0, 0..70), claim(r, 5), &mut h);
+            w.hold(0, &keys(0, 0..70)[..], claim(r, 5), &mut h);
         }
-        w.hold(0, &keys(0, 500..501), claim(9, 5), &mut h);
+        w.hold(0, &keys(0, 500..501)[..], claim(9, 5), &mut h);
         assert_eq!(w.entries(), 211);
         let mut count = Count(Vec::new());
         w.clear(1, |_| true, &mut count);
@@ -1699,7 +2221,7 @@ mod tests {
         let mut w = store.write();
         let mut h = holding(10);
         let k = Key::new(0, HashRef::from_bytes(&bytes));
-        w.hold(0, &[(k, 32)], claim(3, 1), &mut h);
+        w.hold(0, &[(k, 32)][..], claim(3, 1), &mut h);
         drop(w);
         let reader = store.reader();
         let (body, pos) = reader.locate(0, &k).expect("stored");

@@ -19,6 +19,14 @@
 //! miss per key otherwise). Keys in one stretch of slots therefore share
 //! their tag's low bits; the bits above the table's size still tell them
 //! apart (8 bits at 16M slots), so a probe rarely checks a run in vain.
+//!
+//! The writer's search (`find_or_vacant`, one per new block) is the costly
+//! part of ingest for a key that is absent: it walks to the end of the
+//! cluster. It reads the slots with plain loads (the writer alone changes
+//! them), through a slice of exactly `mask + 1` slots so that a masked index
+//! needs no bounds check, and tests the tag first: a slot under another tag
+//! costs one test. A new table is zeroed by the allocator, and growth fills
+//! it without counting per entry (no reader sees it before the swap).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -75,8 +83,18 @@ impl Default for KeyTable {
 impl KeyTable {
     fn with_slots(n: usize) -> Self {
         let n = n.max(MIN_SLOTS).next_power_of_two();
+        // Zeroed by the allocator: a large table comes as fresh pages from
+        // the system, which need no clearing pass.
+        #[expect(
+            unsafe_code,
+            reason = "an all-zero slot is a valid (empty) slot; zeroed allocation skips a clearing pass"
+        )]
+        // SAFETY: `new_zeroed_slice` returns `n` zero-filled elements, and a
+        // `Slot` is one `AtomicU64`, for which all-zero bits is the value 0
+        // (`EMPTY`).
+        let slots: Box<[Slot]> = unsafe { Box::new_zeroed_slice(n).assume_init() };
         Self {
-            slots: (0..n).map(|_| Slot::default()).collect(),
+            slots,
             mask: n - 1,
             live: AtomicU64::new(0),
             used: AtomicU64::new(0),
@@ -105,24 +123,35 @@ impl KeyTable {
     /// [`find`](Self::find), or where an insert of the probe would go (the
     /// first empty or removed slot on its path), so that a writer adding a
     /// key it did not find probes once, not twice.
+    ///
+    /// For the writer only (it alone changes slots, so its loads need no
+    /// ordering). The slots and mask are read once, and a slot under
+    /// another tag — most of a probe's path — costs one test: a tag is
+    /// never 0, so neither `EMPTY` nor `TOMB` passes for one.
     pub fn find_or_vacant(
         &self,
         probe: Probe,
         mut accept: impl FnMut(u32) -> bool,
     ) -> Result<u32, Vacant> {
+        let mask = self.mask;
+        // `mask + 1` slots, so that a slot index masked with it needs no
+        // bounds check.
+        let slots = &self.slots[..=mask];
         let mut i = self.home(probe);
         let mut vacant = None;
         loop {
-            let word = self.slots[i].0.load(Ordering::Acquire);
-            if word == EMPTY {
-                return Err(Vacant(vacant.unwrap_or(i)));
-            }
-            if word == TOMB {
+            let word = slots[i & mask].0.load(Ordering::Relaxed);
+            if (word ^ probe.tag) >> 32 == 0 {
+                if accept(word as u32) {
+                    return Ok(word as u32);
+                }
+            } else if word <= TOMB {
+                if word == EMPTY {
+                    return Err(Vacant(vacant.unwrap_or(i)));
+                }
                 vacant.get_or_insert(i);
-            } else if word & !0xFFFF_FFFF == probe.tag && accept(word as u32) {
-                return Ok(word as u32);
             }
-            i = (i + 1) & self.mask;
+            i = (i + 1) & mask;
         }
     }
 
@@ -146,6 +175,17 @@ impl KeyTable {
     /// instead of one at a time.
     pub fn touch(&self, probe: Probe) {
         crate::store::prefetch(&self.slots[self.home(probe)]);
+    }
+
+    /// [`touch`](Self::touch), and the slots eight on: a search for an
+    /// absent key (the writer's, for a new block) runs on past its home
+    /// slot, often into the next cache line.
+    pub fn touch_path(&self, probe: Probe) {
+        let mask = self.mask;
+        let slots = &self.slots[..=mask];
+        let home = (probe.tag >> 32) as usize;
+        crate::store::prefetch(&slots[home & mask]);
+        crate::store::prefetch(&slots[(home + 8) & mask]);
     }
 
     /// Whether one more insert needs a bigger table.
@@ -216,18 +256,30 @@ impl KeyTable {
             .next_power_of_two()
             .min(self.slots.len() * 2);
         let next = Self::with_slots(slots);
+        // No reader sees the new table before it is swapped in, and it has
+        // no tombstones: each entry goes to the first empty slot from its
+        // home, and the counts are set once at the end.
+        let mask = next.mask;
+        let to = &next.slots[..=mask];
+        let mut moved = 0;
         for slot in self.slots.iter() {
             let word = slot.0.load(Ordering::Relaxed);
-            if word == EMPTY || word == TOMB {
+            if word <= TOMB {
                 continue;
             }
-            next.insert(
-                Probe {
-                    tag: word & !0xFFFF_FFFF,
-                },
-                word as u32,
-            );
+            let mut i = (word >> 32) as usize;
+            loop {
+                let slot = &to[i & mask].0;
+                if slot.load(Ordering::Relaxed) == EMPTY {
+                    slot.store(word, Ordering::Relaxed);
+                    break;
+                }
+                i += 1;
+            }
+            moved += 1;
         }
+        next.live.store(moved, Ordering::Relaxed);
+        next.used.store(moved, Ordering::Relaxed);
         next
     }
 
