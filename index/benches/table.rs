@@ -261,11 +261,11 @@ fn ours(work: &Workload) -> Row {
         }
         u.prefixes[0].chain.len()
     };
-    let busy = under_ingest(work.chains.len(), &mut lookup, &ingest, None);
+    let busy = under_ingest(work.chains.len(), &mut lookup, ingest, None);
     let paced = under_ingest(
         work.chains.len(),
         &mut lookup,
-        &ingest,
+        ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
     Row {
@@ -353,11 +353,11 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         }
         chain.len()
     };
-    let busy = under_ingest(work.chains.len(), &mut lookup, &ingest, None);
+    let busy = under_ingest(work.chains.len(), &mut lookup, ingest, None);
     let paced = under_ingest(
         work.chains.len(),
         &mut lookup,
-        &ingest,
+        ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
     Row {
