@@ -6,12 +6,15 @@
 //!
 //! A second table times the same lookups while another thread ingests (a
 //! replica warming the same prefixes, cleared with ALL_CLEARED after every
-//! pass over its feed) and reports that thread's rate; a third times the
-//! lookup of one chain held by thousands of replicas.
+//! pass over its feed), as fast as it can and paced at a fixed rate, and
+//! reports that thread's rate; a third times the store's match step alone
+//! (`match_chain`) against kv-index's lookup, which answers the same
+//! question; a fourth times the lookup of one chain held by thousands of
+//! replicas.
 //!
 //! Run: `cargo bench -p inference-cache-index --bench table --features compare-kv-index`
 //! (`TABLE_SIZES=1000000:1,10000000:2` picks entries:holders pairs,
-//! `MANY_HOLDERS=5000` the holder counts of the third table).
+//! `MANY_HOLDERS=5000` the holder counts of the fourth table).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
