@@ -67,8 +67,11 @@
 //! deterministic, even even when every replica is idle, and bounded by load
 //! (AFFINITY_HINT, or NO_HINT when affinity routing is disabled).
 //!
-//! Cost: two passes over the live members plus a binary search per candidate;
-//! everything lives in stack buffers of 32 members (heap beyond).
+//! Cost: two passes over the live members and one merge with the candidates
+//! (both sorted by replica id); the answer's order is a sort of integer
+//! keys (a name's place comes from the catalog's order key, so ties never
+//! compare strings); everything lives in stack buffers of 32 members (heap
+//! beyond).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

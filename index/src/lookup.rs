@@ -21,8 +21,10 @@
 //! per run the request passes through, then one compare per block against
 //! the run's hash array and one pass over each candidate's cells (candidates
 //! and rows both sorted by replica id). Candidates live in a stack buffer.
-//! The only allocation is the result vector (and a small one on the
-//! AFFINITY_HINT / TENANT_HOT paths).
+//! Names resolve through a per-thread memo of the last resolution (four
+//! string compares when the next lookup asks the same). The only
+//! allocation is the result vector (and a small one on the AFFINITY_HINT /
+//! TENANT_HOT paths, and the memo's copy of the names when they change).
 
 use std::time::Instant;
 
