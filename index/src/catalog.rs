@@ -120,6 +120,15 @@ struct IdChunk<T> {
     live: u32,
 }
 
+impl<T> IdChunk<T> {
+    fn new() -> Self {
+        Self {
+            items: (0..ID_CHUNK).map(|_| None).collect(),
+            live: 0,
+        }
+    }
+}
+
 impl<T> Default for IdList<T> {
     fn default() -> Self {
         Self {
@@ -138,6 +147,33 @@ impl<T> IdList<T> {
     fn get_mut(&mut self, id: u32) -> Option<&mut T> {
         let chunk = self.chunks.get_mut(id as usize / ID_CHUNK)?.as_mut()?;
         chunk.items[id as usize % ID_CHUNK].as_mut()
+    }
+
+    /// The item under `id`, an id handed out elsewhere (another list's),
+    /// made with `make` when there is none.
+    pub fn get_or_insert_with(&mut self, id: u32, make: impl FnOnce() -> T) -> &mut T {
+        let c = id as usize / ID_CHUNK;
+        if self.chunks.len() <= c {
+            self.chunks.resize_with(c + 1, || None);
+        }
+        let chunk = self.chunks[c].get_or_insert_with(IdChunk::new);
+        let slot = &mut chunk.items[id as usize % ID_CHUNK];
+        if slot.is_none() {
+            chunk.live += 1;
+        }
+        slot.get_or_insert_with(make)
+    }
+
+    /// Drops the trailing chunk pointers no item is behind.
+    pub fn shrink(&mut self) {
+        while self.chunks.len() > (self.next as usize).div_ceil(ID_CHUNK)
+            && self.chunks.last().is_some_and(Option::is_none)
+        {
+            self.chunks.pop();
+        }
+        if self.chunks.capacity() > 2 * self.chunks.len() + 16 {
+            self.chunks.shrink_to_fit();
+        }
     }
 
     /// Live items with their ids, in id order.
@@ -160,10 +196,7 @@ impl<T> IdList<T> {
         while self.chunks.len() <= c {
             self.chunks.push(None);
         }
-        let chunk = self.chunks[c].get_or_insert_with(|| IdChunk {
-            items: (0..ID_CHUNK).map(|_| None).collect(),
-            live: 0,
-        });
+        let chunk = self.chunks[c].get_or_insert_with(IdChunk::new);
         let slot = &mut chunk.items[id as usize % ID_CHUNK];
         if slot.is_none() {
             chunk.live += 1;
@@ -181,7 +214,9 @@ impl<T> IdList<T> {
             chunk.live -= 1;
         }
         // A chunk ids are still handed out from stays.
-        if chunk.live == 0 && (c + 1) * ID_CHUNK <= self.next as usize {
+        let filling =
+            c == self.next as usize / ID_CHUNK && !(self.next as usize).is_multiple_of(ID_CHUNK);
+        if chunk.live == 0 && !filling {
             self.chunks[c] = None;
         }
     }
@@ -195,6 +230,18 @@ impl<T> IdList<T> {
     #[cfg(test)]
     pub fn chunks(&self) -> usize {
         self.chunks.iter().flatten().count()
+    }
+
+    /// Chunk pointers kept, allocated or not.
+    #[cfg(test)]
+    pub fn chunk_slots(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Item slots and chunk pointers allocated.
+    #[cfg(test)]
+    pub fn room(&self) -> usize {
+        self.chunks.capacity() + self.chunks() * ID_CHUNK
     }
 }
 

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 
-use crate::catalog::{NameId, ReplicaId, shrink_map};
+use crate::catalog::{IdList, NameId, ReplicaId, shrink_map};
 use crate::messages::ReplicaStatsReport;
 
 /// What the index knows about one replica.
@@ -224,34 +224,18 @@ impl Member {
     }
 }
 
-/// Slots per chunk of a [`RecordTable`].
-const RECORD_CHUNK: usize = 256;
-
 /// Replica records by replica id. Ids are the catalog's (handed out in
-/// order, never reused), so a record is two index steps away instead of a
-/// hash probe: a lookup reads the record of every member of its serving
-/// set (eight probes were 10 % of a lookup's instructions). Slots live in
-/// chunks of [`RECORD_CHUNK`]; a chunk whose records all went is dropped,
-/// so a cleared flood of replicas leaves one pointer per 256 ids behind.
+/// order, never reused), so a record is two index steps away in an
+/// [`IdList`] instead of a hash probe: a lookup reads the record of every
+/// member of its serving set (eight probes were 10 % of a lookup's
+/// instructions). Records are boxed, so a chunk of the list is one pointer
+/// per id; a chunk whose records all went is dropped.
 #[derive(Debug, Default)]
-pub(crate) struct RecordTable {
-    chunks: Vec<Option<Box<RecordChunk>>>,
-}
-
-#[derive(Debug)]
-struct RecordChunk {
-    slots: [Option<Box<ReplicaRecord>>; RECORD_CHUNK],
-    live: usize,
-}
+pub(crate) struct RecordTable(IdList<Box<ReplicaRecord>>);
 
 impl RecordTable {
-    fn at(id: ReplicaId) -> (usize, usize) {
-        (id as usize / RECORD_CHUNK, id as usize % RECORD_CHUNK)
-    }
-
     pub fn get(&self, id: ReplicaId) -> Option<&ReplicaRecord> {
-        let (c, i) = Self::at(id);
-        self.chunks.get(c)?.as_ref()?.slots[i].as_deref()
+        self.0.get(id).map(|r| &**r)
     }
 
     pub fn contains(&self, id: ReplicaId) -> bool {
@@ -260,69 +244,31 @@ impl RecordTable {
 
     /// The record of `id`, created empty when it has none.
     pub fn get_or_default(&mut self, id: ReplicaId) -> &mut ReplicaRecord {
-        let (c, i) = Self::at(id);
-        if self.chunks.len() <= c {
-            self.chunks.resize_with(c + 1, || None);
-        }
-        let chunk = self.chunks[c].get_or_insert_with(|| {
-            Box::new(RecordChunk {
-                slots: std::array::from_fn(|_| None),
-                live: 0,
-            })
-        });
-        let slot = &mut chunk.slots[i];
-        if slot.is_none() {
-            chunk.live += 1;
-        }
-        slot.get_or_insert_with(Box::default)
+        self.0.get_or_insert_with(id, Box::default)
     }
 
     pub fn remove(&mut self, id: ReplicaId) {
-        let (c, i) = Self::at(id);
-        let Some(Some(chunk)) = self.chunks.get_mut(c) else {
-            return;
-        };
-        if chunk.slots[i].take().is_some() {
-            chunk.live -= 1;
-            if chunk.live == 0 {
-                self.chunks[c] = None;
-            }
-        }
+        self.0.remove(id);
     }
 
     /// Ids that have a record, in order.
     pub fn ids(&self) -> impl Iterator<Item = ReplicaId> + '_ {
-        self.chunks.iter().enumerate().flat_map(|(c, chunk)| {
-            chunk.iter().flat_map(move |chunk| {
-                chunk
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, slot)| slot.is_some())
-                    .map(move |(i, _)| (c * RECORD_CHUNK + i) as ReplicaId)
-            })
-        })
+        self.0.with_ids().map(|(id, _)| id)
     }
 
     #[cfg(test)]
     fn is_empty(&self) -> bool {
-        self.chunks.iter().all(Option::is_none)
+        self.ids().next().is_none()
     }
 
-    /// Drops the trailing chunk pointers no record is behind.
     fn shrink(&mut self) {
-        while self.chunks.last().is_some_and(Option::is_none) {
-            self.chunks.pop();
-        }
-        if self.chunks.capacity() > 2 * self.chunks.len() + 16 {
-            self.chunks.shrink_to_fit();
-        }
+        self.0.shrink();
     }
 
     /// Record slots and chunk pointers allocated.
     #[cfg(test)]
     fn room(&self) -> usize {
-        self.chunks.capacity() + self.chunks.iter().flatten().count() * RECORD_CHUNK
+        self.0.room()
     }
 }
 
@@ -576,9 +522,9 @@ mod tests {
         table.remove(700);
         table.remove(700);
         assert!(!table.contains(700));
-        assert_eq!(table.chunks.iter().flatten().count(), 2, "700's chunk went");
+        assert_eq!(table.0.chunks(), 2, "700's chunk went");
         table.shrink();
-        assert_eq!(table.chunks.len(), 2, "and its pointer");
+        assert_eq!(table.0.chunk_slots(), 2, "and its pointer");
         for id in [3, 255, 256, 300] {
             table.remove(id);
         }

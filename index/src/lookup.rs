@@ -580,7 +580,9 @@ impl CacheIndex {
     /// [`match_chain`](Self::match_chain)); `None` once it is freed.
     pub fn replica_name(&self, replica: u32) -> Option<std::sync::Arc<str>> {
         let catalog = self.catalog.read();
-        (catalog.replica_order(replica) != 0).then(|| catalog.replica_str(replica).clone())
+        catalog
+            .replica_alive(replica)
+            .then(|| catalog.replica_str(replica).clone())
     }
 
     /// Matching: every live holder of the chain's leading blocks (or of the

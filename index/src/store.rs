@@ -1968,6 +1968,13 @@ mod tests {
             .collect()
     }
 
+    /// The body and position holding key `h` of `part`, which is stored.
+    fn located(reader: &Reader<'_>, part: PartitionId, h: u64) -> (BodyGuard, usize) {
+        reader
+            .locate(part, &Key::new(part, HashRef::Narrow(h)))
+            .expect("stored")
+    }
+
     /// Held cells of `replica` along `range` as a reader sees them.
     fn held(
         store: &Store,
@@ -2049,9 +2056,7 @@ mod tests {
         w.hold(1, &keys(1, 0..8)[..], claim(7, 100), &mut holding(1000));
         drop(w);
         let reader = store.reader();
-        let (held, _) = reader
-            .locate(1, &Key::new(1, HashRef::Narrow(0)))
-            .expect("stored");
+        let (held, _) = located(&reader, 1, 0);
         // A second holder needs a row the run has no room for: a new body.
         let mut w = store.write();
         w.hold(1, &keys(1, 0..8)[..], claim(9, 100), &mut holding(1000));
@@ -2067,9 +2072,7 @@ mod tests {
         // A freed run's body goes the same way.
         drop(w);
         let reader = store.reader();
-        let (held, _) = reader
-            .locate(1, &Key::new(1, HashRef::Narrow(0)))
-            .expect("stored");
+        let (held, _) = located(&reader, 1, 0);
         let mut w = store.write();
         let mut count = Count(Vec::new());
         w.clear(7, |_| true, &mut count);
@@ -2090,9 +2093,7 @@ mod tests {
         drop(w);
         let reader = store.reader();
         for from in [0u64, 1, 3, 17, 60] {
-            let (body, pos) = reader
-                .locate(1, &Key::new(1, HashRef::Narrow(from)))
-                .expect("stored");
+            let (body, pos) = located(&reader, 1, from);
             let body = body.as_ref().expect("located body");
             let len = body.len();
             for agree in 1..=(64 - from as usize) {
@@ -2113,9 +2114,7 @@ mod tests {
     /// Length of `replica`'s prefix word in the run holding key `h`.
     fn prefix_len(store: &Store, part: PartitionId, h: u64, replica: ReplicaId) -> usize {
         let reader = store.reader();
-        let (body, _) = reader
-            .locate(part, &Key::new(part, HashRef::Narrow(h)))
-            .expect("stored");
+        let (body, _) = located(&reader, part, h);
         let body = body.as_ref().expect("located body");
         let slot = body.rows[body.row(replica).expect("a row")].slot as usize;
         Prefix(body.data.prefix(slot).load(Ordering::Relaxed)).len()
@@ -2152,9 +2151,7 @@ mod tests {
         assert_eq!(prefix_len(&store, 1, 0, 7), 1, "block 0 alone at T2");
         // Stretches read through the word and cell by cell agree.
         let reader = store.reader();
-        let (body, pos) = reader
-            .locate(1, &Key::new(1, HashRef::Narrow(0)))
-            .expect("stored");
+        let (body, pos) = located(&reader, 1, 0);
         let body = body.as_ref().expect("located body");
         let row = body.row(7).expect("a row");
         let slot = body.rows[row].slot as usize;
