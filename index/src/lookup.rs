@@ -792,10 +792,7 @@ impl CacheIndex {
         cands: &mut Candidates,
     ) -> Matched {
         let reader = self.store.reader();
-        let Some((guard, pos)) = reader.locate(part, &Key::of_bytes(part, prefix_hash)) else {
-            return Matched::Miss;
-        };
-        let Some(body) = guard.as_ref() else {
+        let Some((body, pos)) = reader.locate(part, &Key::of_bytes(part, prefix_hash)) else {
             return Matched::Miss;
         };
         let stored = body.count(pos);
@@ -1012,8 +1009,7 @@ impl CacheIndex {
                 .find(|c| c.replica == replica)
                 .map_or(0, |c| c.blocks as usize);
             let credit = |key: &Key<'_>| {
-                if let Some((guard, pos)) = reader.locate(part, key)
-                    && let Some(body) = guard.as_ref()
+                if let Some((body, pos)) = reader.locate(part, key)
                     && let Some(row) = body.row(replica)
                 {
                     body.credit(row, pos);
@@ -1039,15 +1035,12 @@ fn walk_chain(
 ) -> Matched {
     let n = chain.hashes.len();
     let counts = &chain.token_counts[..];
-    let Some((mut guard, mut pos)) = reader.locate(part, &Key::new(part, chain.hashes.hash(0)))
+    let Some((mut body, mut pos)) = reader.locate(part, &Key::new(part, chain.hashes.hash(0)))
     else {
         return Matched::Miss;
     };
     let mut i = 0;
     loop {
-        let Some(body) = guard.as_ref() else {
-            return Matched::Miss;
-        };
         // Start the misses on the candidates' cells now, so they overlap
         // the compares below (a later run had them started when it was
         // found).
@@ -1074,10 +1067,8 @@ fn walk_chain(
         } else {
             None
         };
-        if let Some((g, p)) = &next
-            && let Some(b) = g.as_ref()
-        {
-            b.touch_cells(*p);
+        if let Some((b, p)) = next {
+            b.touch_cells(p);
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
@@ -1123,7 +1114,7 @@ fn walk_chain(
         }
         i += m;
         match next.filter(|_| any) {
-            Some((g, p)) => (guard, pos) = (g, p),
+            Some((b, p)) => (body, pos) = (b, p),
             None => return Matched::Hits,
         }
     }

@@ -26,9 +26,10 @@
 //! - The **key table** ([`KeyTable`]) maps `(partition, hash)` to
 //!   `run << 6 | position`. Hashes of any width are kept; a wide one is
 //!   compared through a 64-bit digest and then in full.
-//! - **Readers** take no locks and allocate nothing: the table and every run
-//!   body sit behind `ArcSwap`s, everything a writer changes in place is an
-//!   atomic word (hashes, counts, cells, a run's published length), and a
+//! - **Readers** take no locks and allocate nothing: a lookup pins the
+//!   epoch once (`crossbeam-epoch`) and then loads the table and every run
+//!   body through plain pointers ([`Published`]), touching no reference
+//!   count; everything a writer changes in place is an atomic word (hashes, counts, cells, a run's published length), and a
 //!   reader loads a run's length with `Acquire` before the positions below
 //!   it, which the writer filled before publishing that length with
 //!   `Release`. A position below the length never changes hash. Row slots of
@@ -39,8 +40,10 @@
 //!   free row slot and appended positions; adding a row past the row
 //!   capacity, growing a run or dropping rows builds a new body and swaps it
 //!   in (a rebuild writes each word of the new data once, copied or zero,
-//!   prefix words included); the old one is freed when its last reader
-//!   lets go. A reader may see a run between two writes of one update,
+//!   prefix words included); the old one is retired: handed to the epoch
+//!   in batches whose deferred work is one flag store, and freed by the
+//!   writer once every reader pinned before it unpinned, so a lookup never
+//!   frees anything. A reader may see a run between two writes of one update,
 //!   which is the same answer as a lookup that ran between the two.
 //! - **Ingest goes a stretch at a time** ([`Writing::hold`]): the blocks a
 //!   run holds one after the other from the first one located (the report's
@@ -62,10 +65,11 @@
 //! beyond) + the key table's 8-byte slot at 7/16–7/8 load, plus a run
 //! header and a prefix word per row slot shared by the run's blocks.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use arc_swap::{ArcSwap, ArcSwapOption, Guard};
+use crossbeam_epoch as epoch;
 use hashbrown::{HashMap, HashSet};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
@@ -334,7 +338,7 @@ impl Prefix {
 /// Full bytes of a wide run's hashes, set once per position.
 type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
-type RunChunk = Box<[ArcSwapOption<Body>]>;
+type RunChunk = Box<[Published<Body>]>;
 
 /// Header word of a run's data: row slots handed out (shared by the
 /// bodies that share the data). The published length and the capacities
@@ -1030,17 +1034,99 @@ impl RunDir {
         }
     }
 
-    fn get(&self, run: u32) -> Option<&ArcSwapOption<Body>> {
+    fn get(&self, run: u32) -> Option<&Published<Body>> {
         let chunk = self.chunks.get(run as usize / RUN_CHUNK)?.get()?;
         chunk.get(run as usize % RUN_CHUNK)
     }
 
-    fn slot(&self, run: u32) -> &ArcSwapOption<Body> {
+    fn slot(&self, run: u32) -> &Published<Body> {
         let chunk = self.chunks[run as usize / RUN_CHUNK]
-            .get_or_init(|| (0..RUN_CHUNK).map(|_| ArcSwapOption::empty()).collect());
+            .get_or_init(|| (0..RUN_CHUNK).map(|_| Published::empty()).collect());
         &chunk[run as usize % RUN_CHUNK]
     }
 }
+
+/// One published `Arc<T>`, or none, that readers load under an epoch pin
+/// without touching its count: the slot owns one strong count, and a value
+/// swapped out is dropped only once every reader pinned before the swap
+/// has unpinned ([`Writing`] retires it).
+struct Published<T> {
+    ptr: AtomicPtr<T>,
+    owns: PhantomData<Arc<T>>,
+}
+
+impl<T> Published<T> {
+    fn empty() -> Self {
+        Self {
+            ptr: AtomicPtr::new(std::ptr::null_mut()),
+            owns: PhantomData,
+        }
+    }
+
+    fn new(value: Arc<T>) -> Self {
+        let slot = Self::empty();
+        drop(slot.swap(Some(value)));
+        slot
+    }
+
+    /// The value as of now, valid while `pin` is held.
+    fn load<'g>(&self, _pin: &'g epoch::Guard) -> Option<&'g T> {
+        let ptr = self.ptr.load(Ordering::Acquire);
+        #[expect(
+            unsafe_code,
+            reason = "an epoch-protected load: no reference count is touched on the read path"
+        )]
+        // SAFETY: a non-null pointer came from `Arc::into_raw` in `swap`, and
+        // the strong count it stands for is released only by dropping what
+        // `swap` returned, which the writer retires past every pin taken
+        // before the swap, `_pin` included (`Writing::retire`); the value
+        // therefore outlives `'g`. `T` is only read through `&T` (its
+        // changing parts are atomics).
+        unsafe {
+            ptr.as_ref()
+        }
+    }
+
+    /// Publishes `value` (with `Release`: everything written to it before
+    /// is visible to a reader that loads it) and hands back the old one's
+    /// count, which the caller must retire rather than drop while readers
+    /// may hold it.
+    fn swap(&self, value: Option<Arc<T>>) -> Option<Arc<T>> {
+        let new = value.map_or(std::ptr::null_mut(), |v| Arc::into_raw(v).cast_mut());
+        let old = self.ptr.swap(new, Ordering::AcqRel);
+        #[expect(unsafe_code, reason = "takes back the strong count the slot owned")]
+        // SAFETY: a non-null `old` came from `Arc::into_raw` above, and the
+        // slot owned that one count, which it gives up here.
+        (!old.is_null()).then(|| unsafe { Arc::from_raw(old) })
+    }
+}
+
+impl<T> Drop for Published<T> {
+    fn drop(&mut self) {
+        // No reader borrows the store any more.
+        drop(self.swap(None));
+    }
+}
+
+/// A value swapped out of the store that a reader may still be reading.
+#[expect(dead_code, reason = "held only to be dropped later")]
+enum Retired {
+    Body(Arc<Body>),
+    Table(Arc<KeyTable>),
+}
+
+/// Values retired together, and whether every reader pinned before they
+/// were handed to the epoch has unpinned (then the next write drops them).
+struct RetiredBatch {
+    done: Arc<AtomicBool>,
+    #[expect(dead_code, reason = "held only to be dropped later")]
+    values: Vec<Retired>,
+}
+
+/// Retired values handed to the epoch together: one deferred flag store
+/// per batch, so that a lookup that runs the epoch's deferred work does
+/// next to nothing, and a write's cost does not grow with what it retires.
+const RETIRE_BATCH: usize = 32;
 
 /// Writer-side state.
 #[derive(Default)]
@@ -1054,19 +1140,20 @@ pub(crate) struct Writer {
     by_replica: HashMap<ReplicaId, HashSet<u32>>,
     /// Held cells in the store.
     entries: u64,
-    /// Replaced key tables some reader may still hold: kept until none does,
-    /// so the writer, not a lookup, pays for freeing them.
-    retired: Vec<Arc<KeyTable>>,
-    /// The same for replaced or freed run bodies: a lookup that held one
-    /// when it was swapped out would otherwise free it (and, for a freed
-    /// run, its data) on its own time, which showed in the p99 of lookups
-    /// under a fast writer.
-    retired_bodies: Vec<Arc<Body>>,
+    /// Key tables and run bodies swapped out by earlier writes, kept until
+    /// the epoch says no reader still holds them, so the writer, not a
+    /// lookup, pays for freeing them (a lookup that freed a body on its own
+    /// time showed in the p99 of lookups under a fast writer). Oldest
+    /// first: batches come done in about the order they went.
+    retired: std::collections::VecDeque<RetiredBatch>,
+    /// Swapped out and not yet handed to the epoch (fewer than
+    /// [`RETIRE_BATCH`]: at most that many values wait for more writes).
+    retiring: Vec<Retired>,
 }
 
 /// The store.
 pub(crate) struct Store {
-    table: ArcSwap<KeyTable>,
+    table: Published<KeyTable>,
     runs: RunDir,
     writer: Mutex<Writer>,
 }
@@ -1081,7 +1168,7 @@ impl Default for Store {
     fn default() -> Self {
         let table = Arc::new(KeyTable::default());
         Self {
-            table: ArcSwap::new(table.clone()),
+            table: Published::new(table.clone()),
             runs: RunDir::new(),
             writer: Mutex::new(Writer {
                 table,
@@ -1091,52 +1178,53 @@ impl Default for Store {
     }
 }
 
-/// A reader's view: the key table of the moment and the run directory.
+/// A reader's view: an epoch pin, under which every key table and run body
+/// it loads stays alive, and the store.
 pub(crate) struct Reader<'s> {
-    table: Guard<Arc<KeyTable>>,
-    runs: &'s RunDir,
+    pin: epoch::Guard,
+    store: &'s Store,
 }
 
-/// A run body a reader holds.
-pub(crate) type BodyGuard = Guard<Option<Arc<Body>>>;
-
 impl Reader<'_> {
+    fn table(&self) -> &KeyTable {
+        self.store
+            .table
+            .load(&self.pin)
+            .expect("a store always has a table")
+    }
+
+    fn body(&self, run: u32) -> Option<&Body> {
+        self.store.runs.get(run)?.load(&self.pin)
+    }
+
     /// Loads the key's home slot so that a [`locate`](Self::locate) soon
     /// after finds it in cache.
     pub fn touch(&self, key: &Key<'_>) {
-        self.table.touch(key.probe);
+        self.table().touch(key.probe);
     }
 
     /// Starts loading the body of the run the key's slot names (the first
     /// one under its tag, unchecked: a hint), so that a
     /// [`locate`](Self::locate) soon after finds it in cache.
     pub fn touch_run(&self, key: &Key<'_>) {
-        self.table.find(key.probe, |loc| {
-            if let Some(body) = self.runs.get(split(loc).0).map(|slot| slot.load())
-                && let Some(body) = body.as_ref()
-            {
-                prefetch(&**body);
+        self.table().find(key.probe, |loc| {
+            if let Some(body) = self.body(split(loc).0) {
+                prefetch(body);
             }
             true
         });
     }
 
     /// The body and position holding `key` in `part`.
-    pub fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(BodyGuard, usize)> {
+    pub fn locate(&self, part: PartitionId, key: &Key<'_>) -> Option<(&Body, usize)> {
         let mut found = None;
-        self.table.find(key.probe, |loc| {
+        self.table().find(key.probe, |loc| {
             let (run, pos) = split(loc);
-            let Some(slot) = self.runs.get(run) else {
-                return false;
-            };
-            let body = slot.load();
-            let ok = body
-                .as_ref()
-                .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key));
-            if ok {
-                found = Some((body, pos));
-            }
-            ok
+            let body = self
+                .body(run)
+                .filter(|b| b.part == part && pos < b.len() && b.holds_key(pos, key));
+            found = body.map(|b| (b, pos));
+            found.is_some()
         })?;
         found
     }
@@ -1181,19 +1269,21 @@ impl Store {
     /// A lock-free reader.
     pub fn reader(&self) -> Reader<'_> {
         Reader {
-            table: self.table.load(),
-            runs: &self.runs,
+            pin: epoch::pin(),
+            store: self,
         }
     }
 
-    /// The writer (blocks other writers, never readers).
+    /// The writer (blocks other writers, never readers). Frees what earlier
+    /// writes retired once no reader can hold it.
     pub fn write(&self) -> Writing<'_> {
         let mut w = self.writer.lock();
-        if !w.retired.is_empty() {
-            w.retired.retain(|t| Arc::strong_count(t) > 1);
-        }
-        if !w.retired_bodies.is_empty() {
-            w.retired_bodies.retain(|b| Arc::strong_count(b) > 1);
+        while w
+            .retired
+            .front()
+            .is_some_and(|b| b.done.load(Ordering::Acquire))
+        {
+            w.retired.pop_front();
         }
         Writing { store: self, w }
     }
@@ -1264,19 +1354,41 @@ impl Writing<'_> {
 
     fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
         let body = Arc::new(body);
-        self.store.runs.slot(run).store(Some(body.clone()));
-        let old = self.w.bodies[run as usize].replace(body.clone());
-        self.retire(old);
+        let old = self.store.runs.slot(run).swap(Some(body.clone()));
+        self.w.bodies[run as usize] = Some(body.clone());
+        self.retire(old.map(Retired::Body));
         body
     }
 
-    /// Drops a body swapped out of the directory here, or keeps it for a
-    /// later write when a reader still holds it (the swap made every
-    /// reader's hold on it a reference of its own, counted here).
-    fn retire(&mut self, old: Option<Arc<Body>>) {
-        if let Some(old) = old.filter(|b| Arc::strong_count(b) > 1) {
-            self.w.retired_bodies.push(old);
+    /// Keeps the directory's count of a value swapped out of it until no
+    /// reader can hold it: values go to the epoch [`RETIRE_BATCH`] at a
+    /// time (a key table at once: it is large), and [`Store::write`] drops
+    /// a batch once every reader pinned before it went has unpinned.
+    fn retire(&mut self, old: Option<Retired>) {
+        let Some(old) = old else {
+            return;
+        };
+        let now = matches!(old, Retired::Table(_));
+        self.w.retiring.push(old);
+        if now || self.w.retiring.len() >= RETIRE_BATCH {
+            self.hand_to_epoch();
         }
+    }
+
+    /// Hands the values retired so far to the epoch: one deferred flag
+    /// store for the batch, pushed to the collector now (a lookup that runs
+    /// it does one store).
+    fn hand_to_epoch(&mut self) {
+        if self.w.retiring.is_empty() {
+            return;
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = done.clone();
+        let pin = epoch::pin();
+        pin.defer(move || flag.store(true, Ordering::Release));
+        pin.flush();
+        let values = std::mem::take(&mut self.w.retiring);
+        self.w.retired.push_back(RetiredBatch { done, values });
     }
 
     /// Adds a key at `at`, in the slot its failed search found (nothing was
@@ -1301,9 +1413,9 @@ impl Writing<'_> {
 
     fn swap_table(&mut self, next: KeyTable) {
         let next = Arc::new(next);
-        self.store.table.store(next.clone());
-        let old = std::mem::replace(&mut self.w.table, next);
-        self.w.retired.push(old);
+        let old = self.store.table.swap(Some(next.clone()));
+        self.w.table = next;
+        self.retire(old.map(Retired::Table));
     }
 
     /// Shrinks the key table if removals left it mostly empty.
@@ -1884,9 +1996,9 @@ impl Writing<'_> {
         for replica in body.replicas().collect::<Vec<_>>() {
             self.forget(replica, run);
         }
-        self.store.runs.slot(run).store(None);
-        let old = self.w.bodies[run as usize].take();
-        self.retire(old);
+        let old = self.store.runs.slot(run).swap(None);
+        self.w.bodies[run as usize] = None;
+        self.retire(old.map(Retired::Body));
         self.w.free.push(run);
     }
 }
@@ -1969,7 +2081,7 @@ mod tests {
     }
 
     /// The body and position holding key `h` of `part`, which is stored.
-    fn located(reader: &Reader<'_>, part: PartitionId, h: u64) -> (BodyGuard, usize) {
+    fn located<'r>(reader: &'r Reader<'_>, part: PartitionId, h: u64) -> (&'r Body, usize) {
         reader
             .locate(part, &Key::new(part, HashRef::Narrow(h)))
             .expect("stored")
@@ -1987,7 +2099,6 @@ mod tests {
             .map(|h| {
                 let key = Key::new(part, HashRef::Narrow(h));
                 reader.locate(part, &key).is_some_and(|(body, pos)| {
-                    let body = body.as_ref().expect("located body");
                     body.row(replica).is_some_and(|r| body.cell(r, pos).held())
                 })
             })
@@ -2049,27 +2160,71 @@ mod tests {
         );
     }
 
+    /// Pins and unpins on another thread until every batch the writer
+    /// retired is marked done (the epoch moved past every earlier pin), as
+    /// lookups on other threads would; false if that never happens.
+    fn others_pass_the_epoch(store: &Store, tries: usize) -> bool {
+        let all_done = || {
+            let w = store.writer.lock();
+            !w.retired.is_empty() && w.retired.iter().all(|b| b.done.load(Ordering::Acquire))
+        };
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    for _ in 0..tries {
+                        if all_done() {
+                            return true;
+                        }
+                        epoch::pin().flush();
+                        std::thread::yield_now();
+                    }
+                    false
+                })
+                .join()
+                .expect("pinning thread")
+        })
+    }
+
     #[test]
     fn a_body_a_reader_holds_is_freed_by_the_writer_not_the_reader() {
         let store = Store::default();
         let mut w = store.write();
         w.hold(1, &keys(1, 0..8)[..], claim(7, 100), &mut holding(1000));
+        let (run, _) = w.locate(1, &keys(1, 0..1)[0].0).expect("stored");
+        let old = Arc::downgrade(w.body(run).expect("a body"));
         drop(w);
         let reader = store.reader();
         let (held, _) = located(&reader, 1, 0);
         // A second holder needs a row the run has no room for: a new body.
         let mut w = store.write();
         w.hold(1, &keys(1, 0..8)[..], claim(9, 100), &mut holding(1000));
-        assert_eq!(w.w.retired_bodies.len(), 1, "the reader's body waits");
+        w.hand_to_epoch();
         drop(w);
-        let old = held.as_ref().expect("a body").clone();
-        drop(held);
+        // However much the others pin and the writer writes, the body this
+        // reader holds stays whole while it is pinned.
+        assert!(
+            !others_pass_the_epoch(&store, 200),
+            "the reader's pin holds the epoch"
+        );
+        for _ in 0..100 {
+            drop(store.write());
+            epoch::pin().flush();
+        }
+        assert!(old.upgrade().is_some(), "the reader's body waits");
+        assert_eq!(held.len(), 8);
+        let row = held.row(7).expect("the first holder's row");
+        assert!(held.cell(row, 0).held(), "still readable");
         drop(reader);
-        assert_eq!(Arc::strong_count(&old), 2, "this test's and the writer's");
-        drop(old);
-        let w = store.write();
-        assert!(w.w.retired_bodies.is_empty(), "freed once nobody held it");
+        // Once the epoch passed, a lookup's thread has marked it done but
+        // not dropped it: the next write does.
+        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
+        assert!(old.upgrade().is_some(), "not freed on a reader's thread");
+        drop(store.write());
+        assert!(old.upgrade().is_none(), "freed by the writer");
         // A freed run's body goes the same way.
+        let w = store.write();
+        let (run, _) = w.locate(1, &keys(1, 0..1)[0].0).expect("stored");
+        let old = Arc::downgrade(w.body(run).expect("a body"));
         drop(w);
         let reader = store.reader();
         let (held, _) = located(&reader, 1, 0);
@@ -2078,11 +2233,15 @@ mod tests {
         w.clear(7, |_| true, &mut count);
         w.clear(9, |_| true, &mut count);
         assert_eq!(w.shape().1, 0, "the run is freed");
-        assert!(!w.w.retired_bodies.is_empty(), "the reader's body waits");
+        w.hand_to_epoch();
         drop(w);
-        drop(held);
+        assert!(old.upgrade().is_some(), "the reader's body waits");
+        assert_eq!(held.len(), 8);
         drop(reader);
-        assert!(store.write().w.retired_bodies.is_empty());
+        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
+        assert!(old.upgrade().is_some(), "not freed on a reader's thread");
+        drop(store.write());
+        assert!(old.upgrade().is_none(), "freed by the writer");
     }
 
     #[test]
@@ -2094,7 +2253,6 @@ mod tests {
         let reader = store.reader();
         for from in [0u64, 1, 3, 17, 60] {
             let (body, pos) = located(&reader, 1, from);
-            let body = body.as_ref().expect("located body");
             let len = body.len();
             for agree in 1..=(64 - from as usize) {
                 // Two blocks of the request before the run's, then `agree`
@@ -2115,7 +2273,6 @@ mod tests {
     fn prefix_len(store: &Store, part: PartitionId, h: u64, replica: ReplicaId) -> usize {
         let reader = store.reader();
         let (body, _) = located(&reader, part, h);
-        let body = body.as_ref().expect("located body");
         let slot = body.rows[body.row(replica).expect("a row")].slot as usize;
         Prefix(body.data.prefix(slot).load(Ordering::Relaxed)).len()
     }
@@ -2152,7 +2309,6 @@ mod tests {
         // Stretches read through the word and cell by cell agree.
         let reader = store.reader();
         let (body, pos) = located(&reader, 1, 0);
-        let body = body.as_ref().expect("located body");
         let row = body.row(7).expect("a row");
         let slot = body.rows[row].slot as usize;
         for (from, to) in [(0, 1), (0, 30), (1, 30), (5, 29), (0, 64)] {
@@ -2237,7 +2393,6 @@ mod tests {
         let reader = store.reader();
         for (key, _) in &wide {
             let (body, pos) = reader.locate(2, key).expect("stored");
-            let body = body.as_ref().expect("located body");
             assert!(body.row(2).is_some_and(|r| body.cell(r, pos).held()));
             assert_eq!(
                 body.row(1).is_some_and(|r| body.cell(r, pos).held()),
@@ -2281,7 +2436,7 @@ mod tests {
         drop(w);
         let reader = store.reader();
         let (body, pos) = reader.locate(0, &k).expect("stored");
-        assert_eq!(body.as_ref().map(|b| b.count(pos)), Some(32));
+        assert_eq!(body.count(pos), 32);
         assert!(
             reader
                 .locate(0, &Key::new(0, HashRef::from_bytes(&other)))

@@ -508,8 +508,7 @@ fn access_of(f: &Fixture, replica: &str, hash: &[u8]) -> u16 {
     let reader = f.index.store.reader();
     reader
         .locate(part, &crate::store::Key::of_bytes(part, hash))
-        .and_then(|(guard, pos)| {
-            let body = guard.as_ref()?;
+        .and_then(|(body, pos)| {
             let cell = body.cell(body.row(r)?, pos);
             cell.held().then(|| cell.access())
         })
