@@ -2,7 +2,12 @@
 //! block-replica entry (counting allocator), 64-block chain lookup latency
 //! percentiles and single-thread ingest rate, at 1M and 10M entries over 8
 //! replicas; with `--features compare-kv-index`, the same workload on the
-//! published `kv-index` crate (`ChainIndex`) in the same run.
+//! published `kv-index` crate (`ChainIndex`) in the same run. Each index is
+//! built twice and the faster build's rate is reported: on a virtual
+//! machine the first process to touch a range of memory pays for the host
+//! backing it, which moved one build's rate by up to 2× depending on which
+//! index ran first; the second build of each gets memory as warm as the
+//! other's.
 //!
 //! A second table times the same lookups while another thread ingests (a
 //! replica warming the same prefixes, cleared with ALL_CLEARED after every
@@ -191,15 +196,25 @@ const LOOKUPS: usize = 200_000;
 fn ours(work: &Workload) -> Row {
     let updates = work.updates();
     let reports: usize = updates.iter().map(|u| u.prefixes[0].chain.len()).sum();
-    let base = live();
-    let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
-    let start = Instant::now();
-    for u in &updates {
-        index.ingest(u);
-    }
-    let elapsed = start.elapsed().as_secs_f64();
+    let build = || {
+        let base = live();
+        let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
+        let start = Instant::now();
+        for u in &updates {
+            index.ingest(u);
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let bytes = (live() - base) as f64;
+        (index, elapsed, bytes)
+    };
+    let (first, elapsed) = {
+        let (index, elapsed, _) = build();
+        (index.entry_count(), elapsed)
+    };
+    let (index, again, bytes) = build();
+    let elapsed = elapsed.min(again);
     let entries = index.entry_count() as usize;
-    let bytes = (live() - base) as f64;
+    assert_eq!(first as usize, entries, "both builds hold the same entries");
     drop(updates);
     let mut samples = Vec::with_capacity(LOOKUPS);
     let mut hits = 0usize;
@@ -309,28 +324,35 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         .iter()
         .map(|c| c.iter().map(|&h| ContentHash(h)).collect())
         .collect();
-    let base = live();
-    let index = ChainIndex::new();
-    let workers: Vec<u32> = (0..REPLICAS)
-        .map(|r| {
-            index
-                .intern_worker(&format!("replica-{r}"))
-                .expect("worker slot")
-        })
-        .collect();
-    let mut maps: Vec<ChainBlockMap> = (0..REPLICAS).map(|_| ChainBlockMap::default()).collect();
-    let start = Instant::now();
-    let mut reports = 0usize;
-    for (c, chain) in blocks.iter().enumerate() {
-        for r in work.holders_of(c) {
-            index
-                .apply_stored(workers[r], chain, None, &mut maps[r])
-                .expect("store");
-            reports += chain.len();
+    let build = || {
+        let base = live();
+        let index = ChainIndex::new();
+        let workers: Vec<u32> = (0..REPLICAS)
+            .map(|r| {
+                index
+                    .intern_worker(&format!("replica-{r}"))
+                    .expect("worker slot")
+            })
+            .collect();
+        let mut maps: Vec<ChainBlockMap> =
+            (0..REPLICAS).map(|_| ChainBlockMap::default()).collect();
+        let start = Instant::now();
+        let mut reports = 0usize;
+        for (c, chain) in blocks.iter().enumerate() {
+            for r in work.holders_of(c) {
+                index
+                    .apply_stored(workers[r], chain, None, &mut maps[r])
+                    .expect("store");
+                reports += chain.len();
+            }
         }
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    let bytes = (live() - base) as f64;
+        let elapsed = start.elapsed().as_secs_f64();
+        let bytes = (live() - base) as f64;
+        (index, maps, reports, elapsed, bytes)
+    };
+    let elapsed = build().3;
+    let (index, _maps, reports, again, bytes) = build();
+    let elapsed = elapsed.min(again);
     let mut samples = Vec::with_capacity(LOOKUPS);
     for c in lookup_order(work.chains.len(), LOOKUPS) {
         let decoded = requests[c].clone();

@@ -1278,12 +1278,18 @@ impl Store {
     /// writes retired once no reader can hold it.
     pub fn write(&self) -> Writing<'_> {
         let mut w = self.writer.lock();
-        while w
-            .retired
-            .front()
-            .is_some_and(|b| b.done.load(Ordering::Acquire))
-        {
-            w.retired.pop_front();
+        if !w.retired.is_empty() {
+            // Moves the epoch on and runs the deferred work that is due here,
+            // so that retired values (an outgrown key table among them) do
+            // not wait for lookups to do it.
+            epoch::pin().flush();
+            while w
+                .retired
+                .front()
+                .is_some_and(|b| b.done.load(Ordering::Acquire))
+            {
+                w.retired.pop_front();
+            }
         }
         Writing { store: self, w }
     }
