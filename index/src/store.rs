@@ -62,7 +62,7 @@
 //!
 //! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
 //! exactly one or two slots for one or two holders, half again as many
-//! beyond) + the key table's 8-byte slot at 7/16–7/8 load, plus a run
+//! beyond) + the key table's 8-byte slot at 3/8–3/4 load, plus a run
 //! header and a prefix word per row slot shared by the run's blocks.
 
 use std::marker::PhantomData;
