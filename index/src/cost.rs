@@ -325,7 +325,8 @@ fn cost_view(
     let common_blocks = if members.len() < 2 || cands.len() <= rank {
         0
     } else {
-        let mut runs: SmallVec<[u32; 32]> = cands.iter().map(|c| c.blocks).collect();
+        let mut runs: SmallVec<[u32; 32]> = SmallVec::new();
+        runs.extend(cands.iter().map(|c| c.blocks));
         // Only the one rank is needed, not the whole order.
         let (_, &mut at, _) = runs.select_nth_unstable_by(rank, |a, b| b.cmp(a));
         at as usize
@@ -408,15 +409,19 @@ pub(crate) fn rank_by_cost(
     // then by name (ties of cost and match are common: members that hold
     // only the shared head). The sort compares integer keys, not members.
     let members = &members[..];
-    let mut order: SmallVec<[(u64, u64, u64, u32); 32]> = members
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| m.matched >= floor)
-        .map(|(i, m)| {
-            let matched = u64::try_from(m.matched).unwrap_or(0);
-            (ordered_bits(m.cost), u64::MAX - matched, m.order, i as u32)
-        })
-        .collect();
+    // Filled in place: a collected list of 32 inline keys would be built
+    // elsewhere and copied here (1 KiB).
+    let mut order: SmallVec<[(u64, u64, u64, u32); 32]> = SmallVec::new();
+    order.extend(
+        members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.matched >= floor)
+            .map(|(i, m)| {
+                let matched = u64::try_from(m.matched).unwrap_or(0);
+                (ordered_bits(m.cost), u64::MAX - matched, m.order, i as u32)
+            }),
+    );
     order.sort_unstable();
     let fresh = ctx.freshness_of();
     let mut scores = Vec::with_capacity(order.len());
