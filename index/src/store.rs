@@ -29,12 +29,13 @@
 //! - **Readers** take no locks and allocate nothing: a lookup pins the
 //!   epoch once (`crossbeam-epoch`) and then loads the table and every run
 //!   body through plain pointers ([`Published`]), touching no reference
-//!   count; everything a writer changes in place is an atomic word (hashes, counts, cells, a run's published length), and a
-//!   reader loads a run's length with `Acquire` before the positions below
-//!   it, which the writer filled before publishing that length with
-//!   `Release`. A position below the length never changes hash. Row slots of
-//!   a run are never reused while the run data lives, so a row index a
-//!   reader loaded never points at another replica's cells.
+//!   count; everything a writer changes in place is an atomic word
+//!   (hashes, counts, cells, a run's published length), and a reader loads
+//!   a run's length with `Acquire` before the positions below it, which the
+//!   writer filled before publishing that length with `Release`. A position
+//!   below the length never changes hash. Row slots of a run are never
+//!   reused while the run data lives, so a row index a reader loaded never
+//!   points at another replica's cells.
 //! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
 //!   clears and sweeps. In-place writes are cell refreshes, new cells in a
 //!   free row slot and appended positions; adding a row past the row
@@ -43,8 +44,8 @@
 //!   prefix words included); the old one is retired: handed to the epoch
 //!   in batches whose deferred work is one flag store, and freed by the
 //!   writer once every reader pinned before it unpinned, so a lookup never
-//!   frees anything. A reader may see a run between two writes of one update,
-//!   which is the same answer as a lookup that ran between the two.
+//!   frees anything. A reader may see a run between two writes of one
+//!   update, which is the same answer as a lookup that ran between the two.
 //! - **Ingest goes a stretch at a time** ([`Writing::hold`]): the blocks a
 //!   run holds one after the other from the first one located (the report's
 //!   words compared with the run's side by side) are claimed with one row
@@ -1069,8 +1070,9 @@ impl<T> Published<T> {
         slot
     }
 
-    /// The value as of now, valid while `pin` is held.
-    fn load<'g>(&self, _pin: &'g epoch::Guard) -> Option<&'g T> {
+    /// The value as of now, valid while `pin` is held (and the slot
+    /// lives).
+    fn load<'a>(&'a self, _pin: &'a epoch::Guard) -> Option<&'a T> {
         let ptr = self.ptr.load(Ordering::Acquire);
         #[expect(
             unsafe_code,
@@ -1079,9 +1081,10 @@ impl<T> Published<T> {
         // SAFETY: a non-null pointer came from `Arc::into_raw` in `swap`, and
         // the strong count it stands for is released only by dropping what
         // `swap` returned, which the writer retires past every pin taken
-        // before the swap, `_pin` included (`Writing::retire`); the value
-        // therefore outlives `'g`. `T` is only read through `&T` (its
-        // changing parts are atomics).
+        // before the swap, `_pin` included (`Writing::retire`), or by the
+        // slot's own drop, which `'a` rules out; the value therefore
+        // outlives `'a`. `T` is only read through `&T` (its changing parts
+        // are atomics).
         unsafe {
             ptr.as_ref()
         }
@@ -2248,6 +2251,39 @@ mod tests {
         assert!(old.upgrade().is_some(), "not freed on a reader's thread");
         drop(store.write());
         assert!(old.upgrade().is_none(), "freed by the writer");
+    }
+
+    #[test]
+    fn an_outgrown_key_table_a_reader_holds_waits_for_it() {
+        let store = Store::default();
+        let reader = store.reader();
+        let old = Arc::downgrade(&store.writer.lock().table);
+        let held = reader.table();
+        let before = held.bytes();
+        // Enough new blocks to grow the table several times.
+        let mut w = store.write();
+        for start in (0..4096u64).step_by(64) {
+            w.hold(
+                1,
+                &keys(1, start..start + 64)[..],
+                claim(7, 100),
+                &mut holding(1 << 20),
+            );
+        }
+        drop(w);
+        assert!(store.write().w.table.bytes() > before, "the table grew");
+        assert!(old.upgrade().is_some(), "the reader's table waits");
+        assert_eq!(held.bytes(), before, "and still reads whole");
+        assert!(
+            reader.table().bytes() > before,
+            "a new load sees the new one"
+        );
+        drop(reader);
+        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
+        drop(store.write());
+        assert!(old.upgrade().is_none(), "freed by the writer");
+        let reader = store.reader();
+        assert!(reader.locate(1, &keys(1, 4095..4096)[0].0).is_some());
     }
 
     #[test]
