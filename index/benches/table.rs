@@ -28,7 +28,8 @@ use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::Instant;
 
 use inference_cache_index::{
-    CacheEvent, CacheIndex, CacheUpdate, ChainInput, EventKind, LookupRequest, Reason, SystemClock,
+    BlockChain, CacheEvent, CacheIndex, CacheUpdate, ChainInput, EventKind, LookupRequest, Reason,
+    SystemClock,
 };
 
 mod support;
@@ -193,6 +194,13 @@ fn lookup_order(chains: usize, n: usize) -> Vec<usize> {
 
 const LOOKUPS: usize = 200_000;
 
+/// The bench's LookupRoute for one stored chain.
+fn request(chain: &BlockChain) -> LookupRequest<'_> {
+    let mut r = LookupRequest::new("tenant", "model", "vllm");
+    r.chain = ChainInput::Wire(chain);
+    r
+}
+
 fn ours(work: &Workload) -> Row {
     let updates = work.updates();
     let reports: usize = updates.iter().map(|u| u.prefixes[0].chain.len()).sum();
@@ -222,8 +230,7 @@ fn ours(work: &Workload) -> Row {
         // The server hands the index a freshly converted request: copy it
         // first so its hashes are cache-hot, as they are after decoding.
         let decoded = work.block_chains[c].clone();
-        let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = ChainInput::Wire(&decoded);
+        let r = request(&decoded);
         let t = Instant::now();
         let outcome = black_box(index.lookup(&r));
         samples.push(t.elapsed().as_nanos() as u64);
@@ -237,8 +244,7 @@ fn ours(work: &Workload) -> Row {
     let mut match_samples = Vec::with_capacity(LOOKUPS);
     for c in lookup_order(work.chains.len(), LOOKUPS) {
         let decoded = work.block_chains[c].clone();
-        let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = ChainInput::Wire(&decoded);
+        let r = request(&decoded);
         let t = Instant::now();
         let found = black_box(index.match_chain(&r));
         match_samples.push(t.elapsed().as_nanos() as u64);
@@ -267,8 +273,7 @@ fn ours(work: &Workload) -> Row {
         adapter_id: String::new(),
     };
     let mut lookup = |c: usize| {
-        let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = ChainInput::Wire(&work.block_chains[c]);
+        let r = request(&work.block_chains[c]);
         black_box(index.lookup(&r));
     };
     let ingest = |i: usize| {
@@ -415,8 +420,7 @@ fn many_holders(holders: usize) {
     let typed = &work.block_chains[0];
     let mut samples = Vec::with_capacity(2000);
     for _ in 0..2000 {
-        let mut r = LookupRequest::new("tenant", "model", "vllm");
-        r.chain = ChainInput::Wire(typed);
+        let r = request(typed);
         let t = Instant::now();
         let outcome = black_box(index.lookup(&r));
         samples.push(t.elapsed().as_nanos() as u64);

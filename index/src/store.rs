@@ -2194,14 +2194,32 @@ mod tests {
         })
     }
 
+    /// The current body of the run holding key `h` of `part`, weakly.
+    fn body_of(store: &Store, part: PartitionId, h: u64) -> std::sync::Weak<Body> {
+        let w = store.write();
+        let (run, _) = w
+            .locate(part, &Key::new(part, HashRef::Narrow(h)))
+            .expect("stored");
+        Arc::downgrade(w.body(run).expect("a body"))
+    }
+
+    /// With no reader pinned any more: lookups' threads pass the epoch and
+    /// mark `old`'s batch done without dropping it, and the next write
+    /// frees it.
+    fn freed_by_the_next_write<T>(store: &Store, old: &std::sync::Weak<T>) {
+        assert!(others_pass_the_epoch(store, 100_000), "the epoch moves on");
+        assert!(old.upgrade().is_some(), "not freed on a reader's thread");
+        drop(store.write());
+        assert!(old.upgrade().is_none(), "freed by the writer");
+    }
+
     #[test]
     fn a_body_a_reader_holds_is_freed_by_the_writer_not_the_reader() {
         let store = Store::default();
         let mut w = store.write();
         w.hold(1, &keys(1, 0..8)[..], claim(7, 100), &mut holding(1000));
-        let (run, _) = w.locate(1, &keys(1, 0..1)[0].0).expect("stored");
-        let old = Arc::downgrade(w.body(run).expect("a body"));
         drop(w);
+        let old = body_of(&store, 1, 0);
         let reader = store.reader();
         let (held, _) = located(&reader, 1, 0);
         // A second holder needs a row the run has no room for: a new body.
@@ -2224,17 +2242,9 @@ mod tests {
         let row = held.row(7).expect("the first holder's row");
         assert!(held.cell(row, 0).held(), "still readable");
         drop(reader);
-        // Once the epoch passed, a lookup's thread has marked it done but
-        // not dropped it: the next write does.
-        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
-        assert!(old.upgrade().is_some(), "not freed on a reader's thread");
-        drop(store.write());
-        assert!(old.upgrade().is_none(), "freed by the writer");
+        freed_by_the_next_write(&store, &old);
         // A freed run's body goes the same way.
-        let w = store.write();
-        let (run, _) = w.locate(1, &keys(1, 0..1)[0].0).expect("stored");
-        let old = Arc::downgrade(w.body(run).expect("a body"));
-        drop(w);
+        let old = body_of(&store, 1, 0);
         let reader = store.reader();
         let (held, _) = located(&reader, 1, 0);
         let mut w = store.write();
@@ -2247,10 +2257,7 @@ mod tests {
         assert!(old.upgrade().is_some(), "the reader's body waits");
         assert_eq!(held.len(), 8);
         drop(reader);
-        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
-        assert!(old.upgrade().is_some(), "not freed on a reader's thread");
-        drop(store.write());
-        assert!(old.upgrade().is_none(), "freed by the writer");
+        freed_by_the_next_write(&store, &old);
     }
 
     #[test]
@@ -2279,9 +2286,7 @@ mod tests {
             "a new load sees the new one"
         );
         drop(reader);
-        assert!(others_pass_the_epoch(&store, 100_000), "the epoch moves on");
-        drop(store.write());
-        assert!(old.upgrade().is_none(), "freed by the writer");
+        freed_by_the_next_write(&store, &old);
         let reader = store.reader();
         assert!(reader.locate(1, &keys(1, 4095..4096)[0].0).is_some());
     }
