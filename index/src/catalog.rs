@@ -116,14 +116,20 @@ pub(crate) struct IdList<T> {
 
 #[derive(Debug)]
 struct IdChunk<T> {
-    items: Box<[Option<T>]>,
+    /// A fixed array: an item is one step from the chunk, with no length
+    /// to check.
+    items: Box<[Option<T>; ID_CHUNK]>,
     live: u32,
 }
 
 impl<T> IdChunk<T> {
     fn new() -> Self {
         Self {
-            items: (0..ID_CHUNK).map(|_| None).collect(),
+            items: (0..ID_CHUNK)
+                .map(|_| None)
+                .collect::<Box<[_]>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("ID_CHUNK items")),
             live: 0,
         }
     }

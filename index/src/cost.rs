@@ -67,9 +67,9 @@
 //! deterministic, even even when every replica is idle, and bounded by load
 //! (AFFINITY_HINT, or NO_HINT when affinity routing is disabled).
 //!
-//! Cost: two passes over the live members and one merge with the candidates
-//! (both sorted by replica id); the answer's order is a sort of integer
-//! keys (a name's place comes from the catalog's order key, so ties never
+//! Cost: two passes over the live members (each candidate knows its
+//! member's place, from the liveness check); the answer's order is a sort
+//! of integer keys (a name's place comes from the catalog's order key, so ties never
 //! compare strings); everything lives in stack buffers of 32 members (heap
 //! beyond).
 
@@ -267,19 +267,15 @@ fn cost_view(
     if members.is_empty() {
         return None;
     }
-    // Candidates and members are both sorted by replica id (and every
-    // candidate is a member): one merge pass fills in the matches.
-    let mut at = 0;
+    // Every candidate is a member and knows its place among them (the
+    // members are the serving set's, in its order).
     for c in cands {
-        while at < members.len() && members[at].replica < c.replica {
-            at += 1;
-        }
-        if let Some(m) = members.get_mut(at).filter(|m| m.replica == c.replica) {
-            m.matched = c.matched;
-            m.blocks = c.blocks;
-            m.oldest_seen = c.oldest_seen;
-            m.tier = c.tier;
-        }
+        let m = &mut members[c.member as usize];
+        debug_assert_eq!(m.replica, c.replica, "a candidate's member");
+        m.matched = c.matched;
+        m.blocks = c.blocks;
+        m.oldest_seen = c.oldest_seen;
+        m.tier = c.tier;
     }
     // Recent requests past the balance bound count as queued requests (see
     // the module notes).

@@ -68,6 +68,8 @@ pub(crate) struct Candidate {
     pub oldest_seen: u32,
     pub tier: u8,
     active: bool,
+    /// Its place in the lookup's serving set (set by the liveness check).
+    pub member: u32,
 }
 
 /// Candidates on the stack, spilling to the heap past [`INLINE`] (the
@@ -98,19 +100,27 @@ impl Candidates {
         &mut self.list
     }
 
-    /// Keeps the candidates that are live members of `serving`. Both are
-    /// sorted by replica id (candidates come from rows, which are), so this
-    /// is one merge pass.
+    /// Keeps the candidates that are live members of `serving`, each with
+    /// its place there (so the ranking finds its member without a search).
+    /// Both are sorted by replica id (candidates come from rows, which are),
+    /// so this is one merge pass.
     fn retain_live(&mut self, serving: &[Live<'_>]) {
-        let (mut at, mut kept) = (0, 0);
         let list = self.list.as_mut_slice();
+        let (mut rest, mut at, mut kept) = (serving, 0, 0);
         for i in 0..list.len() {
             let replica = list[i].replica;
-            while at < serving.len() && serving[at].replica < replica {
-                at += 1;
+            while let [first, tail @ ..] = rest
+                && first.replica < replica
+            {
+                (rest, at) = (tail, at + 1);
             }
-            if at < serving.len() && serving[at].replica == replica {
-                list[kept] = list[i];
+            if let [first, ..] = rest
+                && first.replica == replica
+            {
+                list[i].member = at as u32;
+                if kept < i {
+                    list[kept] = list[i];
+                }
                 kept += 1;
             }
         }
@@ -371,28 +381,30 @@ fn serving_set<'f>(
     let (scheme, scope) = (at.names.scheme, at.scope);
     let now_ms = ctx.now_ms;
     let timeout_ms = u64::try_from(ctx.policy.replica_timeout.as_millis()).unwrap_or(u64::MAX);
-    // Members are kept sorted by replica id, and so is the set.
+    // Members are kept sorted by replica id, and so is the set. A plain
+    // loop: an iterator adapter here was a call per member.
     let members = fleet.members(tenant, model);
     serving.reserve(members.len());
-    serving.extend(members.iter().filter_map(|member| {
+    for member in members {
         // An id freed by a sweep while a membership was being written is
         // never named (it has no order key).
         let order = catalog.replica_order(member.replica);
         if order == 0 || !member.serves(scheme) {
-            return None;
+            continue;
         }
         // The record is read once: for liveness here, for the member's load
         // and the hinted prefill later.
         let record = fleet.records.get(member.replica);
-        Fleet::record_live(record, now_ms, timeout_ms, || {
+        if Fleet::record_live(record, now_ms, timeout_ms, || {
             scope.is_some_and(|s| s.holds(member.replica))
-        })
-        .then_some(Live {
-            replica: member.replica,
-            record,
-            order,
-        })
-    }));
+        }) {
+            serving.push(Live {
+                replica: member.replica,
+                record,
+                order,
+            });
+        }
+    }
 }
 
 /// Why the answer is what it is, and the ranking after the
@@ -811,6 +823,7 @@ impl CacheIndex {
                     oldest_seen: cell.last_seen(),
                     tier: cell.tier(),
                     active: true,
+                    member: 0,
                 });
             }
         }
@@ -1085,6 +1098,7 @@ fn walk_chain(
                     oldest_seen: u32::MAX,
                     tier: 0,
                     active: true,
+                    member: 0,
                 };
                 extend(&mut c, body.row_stretch(row, pos, pos + m), &tokens);
                 if c.blocks > 0 {
