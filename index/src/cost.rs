@@ -420,18 +420,20 @@ pub(crate) fn rank_by_cost(
     );
     order.sort_unstable();
     let fresh = ctx.freshness_of();
-    let mut scores = Vec::with_capacity(order.len());
-    for &(.., i) in &order {
-        let m = &members[i as usize];
-        scores.push(ReplicaScore {
-            replica_id: catalog.replica_str(m.replica).clone(),
-            score: (total / (total + m.cost)) as f32,
-            matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
-            estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0)
-                * fresh.of(m.oldest_seen)) as f32,
-            tier: Tier::from_u8(m.tier),
-        });
-    }
+    let scores = order
+        .iter()
+        .map(|&(.., i)| {
+            let m = &members[i as usize];
+            ReplicaScore {
+                replica_id: catalog.replica_str(m.replica).clone(),
+                score: (total / (total + m.cost)) as f32,
+                matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
+                estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0)
+                    * fresh.of(m.oldest_seen)) as f32,
+                tier: Tier::from_u8(m.tier),
+            }
+        })
+        .collect();
     Ranked::Hint(crate::messages::Reason::PrefixMatch, scores)
 }
 
