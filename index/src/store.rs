@@ -1400,17 +1400,6 @@ impl Writing<'_> {
         self.w.retired.push_back(RetiredBatch { done, values });
     }
 
-    /// Adds a key at `at`, in the slot its failed search found (nothing was
-    /// inserted since: one key is added at a time), or anew in a grown table.
-    #[inline]
-    fn insert_key(&mut self, probe: Probe, at: u32, vacant: Vacant) {
-        if self.w.table.full() {
-            self.grow_table_with(probe, at);
-        } else {
-            self.w.table.insert_at(vacant, probe, at);
-        }
-    }
-
     /// Swaps in a grown table holding the key at `at` as well.
     #[cold]
     #[inline(never)]
@@ -1765,8 +1754,11 @@ impl Writing<'_> {
                 table.touch_path(probe);
             }
         };
+        // The table, held here (not reached through `self` at every use);
+        // taken again after a growth.
+        let mut table = Arc::clone(&self.w.table);
         for i in first + 1..first + 1 + AHEAD {
-            ahead(i, &self.w.table, &mut probes);
+            ahead(i, &table, &mut probes);
         }
         let mut pos = start;
         let mut vacant = vacant;
@@ -1790,7 +1782,12 @@ impl Writing<'_> {
             cells[pos].store(cell, Ordering::Release);
             body.publish_len(pos + 1);
             // The slot its failed search found: nothing since touched the table.
-            self.insert_key(key.probe, loc(run, pos), vacant);
+            if table.full() {
+                self.grow_table_with(key.probe, loc(run, pos));
+                table = Arc::clone(&self.w.table);
+            } else {
+                table.insert_at(vacant, key.probe, loc(run, pos));
+            }
             room -= 1;
             added += 1;
             let i = first + added;
@@ -1798,13 +1795,14 @@ impl Writing<'_> {
                 break None;
             }
             let probe = probes[i % AHEAD];
-            ahead(i + AHEAD, &self.w.table, &mut probes);
+            ahead(i + AHEAD, &table, &mut probes);
             key = Key {
                 hash: blocks.hash(i),
                 word: blocks.word(i),
                 probe,
             };
-            match self.locate_or_vacant(part, &key) {
+            let found = table.find_or_vacant(key.probe, |loc| self.holds_at(part, &key, loc));
+            match found.map(split) {
                 Err(next) if pos + 1 < cap && room > 0 && key.hash.is_wide() == wide => {
                     vacant = next;
                     pos += 1;
