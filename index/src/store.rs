@@ -1736,9 +1736,7 @@ impl Writing<'_> {
         let data = &body.data;
         let slot = body.rows[row].slot as usize;
         let cap = data.cap();
-        let hashes = &data.words[HEAD..HEAD + cap];
         let counts = &data.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
-        let cells = data.cells(slot, 0, cap);
         let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
         // Start the table misses of the next few blocks (most likely new
         // as well) so that they are under way together; a block found in
@@ -1762,10 +1760,15 @@ impl Writing<'_> {
         }
         let mut pos = start;
         let mut vacant = vacant;
-        let mut room = h.room;
+        // Blocks the run and the room take (the caller found room for
+        // one): one bound for the loop to test.
+        let limit = (cap - start).min(usize::try_from(h.room).unwrap_or(usize::MAX));
+        // The hashes and cells the loop may write, `added` indexing them.
+        let hashes = &data.words[HEAD + start..HEAD + start + limit];
+        let cells = data.cells(slot, start, start + limit);
         let mut added = 0;
         let searched = loop {
-            hashes[pos].store(key.word, Ordering::Relaxed);
+            hashes[added].store(key.word, Ordering::Relaxed);
             // A position past the length has a zero count: an even one
             // sets its word, an odd one the upper half of its word.
             let count = u64::from(blocks.count(first + added));
@@ -1779,7 +1782,7 @@ impl Writing<'_> {
             if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
                 let _ = wide[pos].set(bytes.into());
             }
-            cells[pos].store(cell, Ordering::Release);
+            cells[added].store(cell, Ordering::Release);
             body.publish_len(pos + 1);
             // The slot its failed search found: nothing since touched the table.
             if table.full() {
@@ -1788,7 +1791,6 @@ impl Writing<'_> {
             } else {
                 table.insert_at(vacant, key.probe, loc(run, pos));
             }
-            room -= 1;
             added += 1;
             let i = first + added;
             if i == end {
@@ -1803,7 +1805,7 @@ impl Writing<'_> {
             };
             let found = table.find_or_vacant(key.probe, |loc| self.holds_at(part, &key, loc));
             match found.map(split) {
-                Err(next) if pos + 1 < cap && room > 0 && key.hash.is_wide() == wide => {
+                Err(next) if added < limit && key.hash.is_wide() == wide => {
                     vacant = next;
                     pos += 1;
                 }
@@ -1815,7 +1817,7 @@ impl Writing<'_> {
         data.join_prefix(slot, start, pos + 1, claim.last_seen, claim.tier);
         self.w.live[run as usize] += added as u32;
         self.w.entries += added as u64;
-        h.room = room;
+        h.room -= added as i64;
         h.written += added as u64;
         h.added += added as i64;
         h.new_keys += added as i64;
