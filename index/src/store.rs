@@ -1343,22 +1343,24 @@ impl Writing<'_> {
 
     /// Where `key` is, or the key-table slot it would go to. The search is
     /// inlined into its callers; a slot under the key's tag (rare on the
-    /// way to an absent key's slot) is checked out of line.
+    /// way to an absent key's slot) is checked out of line, the key passed
+    /// by value so that only that path copies it to memory (by reference,
+    /// every search stored it first: 4.5 instructions per block).
     #[inline]
     fn locate_or_vacant(&self, part: PartitionId, key: &Key<'_>) -> Result<(u32, usize), Vacant> {
         let loc = self
             .w
             .table
-            .find_or_vacant(key.probe, |loc| self.holds_at(part, key, loc))?;
+            .find_or_vacant(key.probe, |loc| self.holds_at(part, *key, loc))?;
         Ok(split(loc))
     }
 
     /// Whether location `loc` holds `key` in `part`.
     #[inline(never)]
-    fn holds_at(&self, part: PartitionId, key: &Key<'_>, loc: u32) -> bool {
+    fn holds_at(&self, part: PartitionId, key: Key<'_>, loc: u32) -> bool {
         let (run, pos) = split(loc);
         self.body(run)
-            .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, key))
+            .is_some_and(|b| b.part == part && pos < b.len() && b.holds_key(pos, &key))
     }
 
     fn publish(&mut self, run: u32, body: Body) -> Arc<Body> {
@@ -1803,7 +1805,7 @@ impl Writing<'_> {
                 word: blocks.word(i),
                 probe,
             };
-            let found = table.find_or_vacant(key.probe, |loc| self.holds_at(part, &key, loc));
+            let found = table.find_or_vacant(key.probe, |loc| self.holds_at(part, key, loc));
             match found.map(split) {
                 Err(next) if added < limit && key.hash.is_wide() == wide => {
                     vacant = next;
