@@ -1806,12 +1806,12 @@ impl Writing<'_> {
                 probe,
             };
             let found = table.find_or_vacant(key.probe, |loc| self.holds_at(part, key, loc));
-            match found.map(split) {
+            match found {
                 Err(next) if added < limit && key.hash.is_wide() == wide => {
                     vacant = next;
                     pos += 1;
                 }
-                other => break Some(other),
+                other => break Some(other.map(split)),
             }
         };
         // The prefix was left as it was while the cells were added (true,
