@@ -1141,3 +1141,65 @@ fn the_match_step_reports_every_holder_s_leading_run_before_ranking() {
     assert!(f.index.match_chain(&other).is_empty());
     assert!(f.index.match_chain(&LookupRequest::new(T, M, S)).is_empty());
 }
+
+#[test]
+fn alternating_scopes_each_land_in_their_own_partition() {
+    // Ingest resolves an update's scope names through a memo of the last
+    // update's: alternating scopes, an adapter of its own and a scope freed
+    // and interned again must each still land in their own partition.
+    let f = fixture();
+    // Each scope differs from the one before in one name.
+    let scopes = [
+        ("tenant-a", ""),
+        ("tenant-a", "lora"),
+        ("tenant-b", "lora"),
+        ("tenant-b", ""),
+    ];
+    let ingest = |tenant: &str, adapter: &str, base: u64| {
+        let mut u = update("A", vec![chain_prefix(&chain(base..base + 4), 16)]);
+        u.tenant_id = tenant.into();
+        u.adapter_id = adapter.into();
+        f.index.ingest(&u);
+    };
+    let found = |tenant: &str, adapter: &str, base: u64| {
+        let blocks = chain(base..base + 4);
+        let block_chain = BlockChain::new(&blocks, vec![16; 4]).expect("a valid chain");
+        let mut r = LookupRequest::new(tenant, M, S);
+        r.adapter_id = adapter;
+        r.chain = ChainInput::Wire(&block_chain);
+        f.index.lookup(&r).reason == Reason::PrefixMatch
+    };
+    // Two updates of each scope in a row: the second one's names are the
+    // remembered ones.
+    for round in 0..6u64 {
+        for (k, &(tenant, adapter)) in scopes.iter().enumerate() {
+            ingest(tenant, adapter, 1000 * k as u64 + 10 * round);
+            ingest(tenant, adapter, 1000 * k as u64 + 10 * round + 5);
+        }
+    }
+    for offset in (0..6u64).flat_map(|round| [10 * round, 10 * round + 5]) {
+        for (k, &(tenant, adapter)) in scopes.iter().enumerate() {
+            let base = 1000 * k as u64 + offset;
+            for (j, &(t, a)) in scopes.iter().enumerate() {
+                assert_eq!(
+                    found(t, a, base),
+                    j == k,
+                    "{tenant}/{adapter}'s chain {base} looked up in {t}/{a}"
+                );
+            }
+        }
+    }
+    f.index.publish(&CacheEvent {
+        kind: EventKind::AllCleared,
+        replica_id: "A".into(),
+        model_id: String::new(),
+        tenant_id: String::new(),
+        prefix_hash: Vec::new(),
+        adapter_id: String::new(),
+    });
+    f.index.sweep();
+    ingest("tenant-b", "", 5000);
+    assert!(found("tenant-b", "", 5000));
+    assert!(!found("tenant-a", "", 5000));
+    assert!(!found("tenant-b", "", 1000), "cleared");
+}
