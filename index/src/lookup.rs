@@ -1072,16 +1072,13 @@ fn walk_chain(
         // How far the request follows this run: one compare per block.
         let m = body.follow(pos, len, &chain.hashes, i);
         // Where the request leaves the run it continues through another
-        // one: find that run now, so its misses (key-table slot, body,
-        // header) are under way while the cells here are read (their lines
-        // were asked for before the compares).
-        let next = if i + m < n {
-            reader.locate(part, &Key::new(part, chain.hashes.hash(i + m)))
-        } else {
-            None
-        };
-        if let Some((b, p)) = next {
-            b.touch_cells(p);
+        // one: start that run's body and first data line now (its key-table
+        // slot was asked for above), so their misses are under way while
+        // the cells here are read (their lines were asked for before the
+        // compares); it is located after.
+        let next_key = (i + m < n).then(|| Key::new(part, chain.hashes.hash(i + m)));
+        if let Some(key) = &next_key {
+            reader.touch_run(key);
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
@@ -1127,8 +1124,14 @@ fn walk_chain(
             }
         }
         i += m;
-        match next.filter(|_| any) {
-            Some((b, p)) => (body, pos) = (b, p),
+        let next = next_key
+            .filter(|_| any)
+            .and_then(|key| reader.locate(part, &key));
+        match next {
+            Some((b, p)) => {
+                b.touch_cells(p);
+                (body, pos) = (b, p);
+            }
             None => return Matched::Hits,
         }
     }

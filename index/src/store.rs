@@ -33,7 +33,11 @@
 //!   (hashes, counts, cells, a run's published length), and a reader loads
 //!   a run's length with `Acquire` before the positions below it, which the
 //!   writer filled before publishing that length with `Release`. A position
-//!   below the length never changes hash. Row slots of a run are never
+//!   below the length never changes hash. A run's directory slot also
+//!   carries its data's address as a prefetch hint ([`RunSlot`]), so a
+//!   reader starts the body and the data line it compares first together;
+//!   a chain walk starts the next run's that way before it reads the cells
+//!   of the current one, and locates it after. Row slots of a run are never
 //!   reused while the run data lives, so a row index a reader loaded never
 //!   points at another replica's cells.
 //! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
@@ -95,19 +99,25 @@ const RUN_DIR: usize = (MAX_RUNS as usize).div_ceil(RUN_CHUNK);
 /// not wait for it.
 #[inline(always)]
 pub(crate) fn prefetch<T>(value: &T) {
+    prefetch_ptr(std::ptr::from_ref(value));
+}
+
+/// [`prefetch`] of any address, valid or not (it is never read through).
+#[inline(always)]
+fn prefetch_ptr<T>(at: *const T) {
     #[cfg(target_arch = "x86_64")]
     #[expect(
         unsafe_code,
         reason = "a prefetch instruction is a hint: it never faults and changes no state"
     )]
     // SAFETY: `prefetcht0` never faults and has no effect on program state
-    // whatever the address; here it is also a valid reference.
+    // whatever the address, and nothing is read through `at`.
     unsafe {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(value).cast::<i8>());
+        _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>());
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = value;
+    let _ = at;
 }
 
 /// A prefix hash as the store sees it.
@@ -339,7 +349,48 @@ impl Prefix {
 /// Full bytes of a wide run's hashes, set once per position.
 type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
-type RunChunk = Box<[Published<Body>]>;
+type RunChunk = Box<[RunSlot]>;
+
+/// A run's directory slot: its published body and, beside it, where that
+/// body's data words start. The second is a hint for prefetching only,
+/// never read through: a reader that has the slot starts the body's miss
+/// and the miss on the data line it compares first together, instead of
+/// the second only once the body has arrived (one dependent miss less per
+/// run a lookup enters).
+struct RunSlot {
+    body: Published<Body>,
+    words: AtomicPtr<AtomicU64>,
+}
+
+impl RunSlot {
+    fn empty() -> Self {
+        Self {
+            body: Published::empty(),
+            words: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// Publishes `body` (see [`Published::swap`]) and its data's address.
+    fn swap(&self, body: Option<Arc<Body>>) -> Option<Arc<Body>> {
+        let words = body
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |b| b.data.words.as_ptr().cast_mut());
+        self.words.store(words, Ordering::Relaxed);
+        self.body.swap(body)
+    }
+
+    /// Starts the misses on the body and on the data line of position
+    /// `pos` (whatever body the slot holds by then: a hint).
+    fn touch(&self, pos: usize) {
+        prefetch_ptr(self.body.ptr.load(Ordering::Relaxed));
+        self.touch_words(pos);
+    }
+
+    /// Starts the miss on the data line of position `pos`'s hash.
+    fn touch_words(&self, pos: usize) {
+        prefetch_ptr(self.words.load(Ordering::Relaxed).wrapping_add(HEAD + pos));
+    }
+}
 
 /// Header word of a run's data: row slots handed out (shared by the
 /// bodies that share the data). The published length and the capacities
@@ -1035,14 +1086,14 @@ impl RunDir {
         }
     }
 
-    fn get(&self, run: u32) -> Option<&Published<Body>> {
+    fn get(&self, run: u32) -> Option<&RunSlot> {
         let chunk = self.chunks.get(run as usize / RUN_CHUNK)?.get()?;
         chunk.get(run as usize % RUN_CHUNK)
     }
 
-    fn slot(&self, run: u32) -> &Published<Body> {
+    fn slot(&self, run: u32) -> &RunSlot {
         let chunk = self.chunks[run as usize / RUN_CHUNK]
-            .get_or_init(|| (0..RUN_CHUNK).map(|_| Published::empty()).collect());
+            .get_or_init(|| (0..RUN_CHUNK).map(|_| RunSlot::empty()).collect());
         &chunk[run as usize % RUN_CHUNK]
     }
 }
@@ -1196,10 +1247,6 @@ impl Reader<'_> {
             .expect("a store always has a table")
     }
 
-    fn body(&self, run: u32) -> Option<&Body> {
-        self.store.runs.get(run)?.load(&self.pin)
-    }
-
     /// Loads the key's home slot so that a [`locate`](Self::locate) soon
     /// after finds it in cache.
     pub fn touch(&self, key: &Key<'_>) {
@@ -1211,8 +1258,9 @@ impl Reader<'_> {
     /// [`locate`](Self::locate) soon after finds it in cache.
     pub fn touch_run(&self, key: &Key<'_>) {
         self.table().find(key.probe, |loc| {
-            if let Some(body) = self.body(split(loc).0) {
-                prefetch(body);
+            let (run, pos) = split(loc);
+            if let Some(slot) = self.store.runs.get(run) {
+                slot.touch(pos);
             }
             true
         });
@@ -1223,8 +1271,14 @@ impl Reader<'_> {
         let mut found = None;
         self.table().find(key.probe, |loc| {
             let (run, pos) = split(loc);
-            let body = self
-                .body(run)
+            let slot = self.store.runs.get(run);
+            // The hash compared below is one miss away from the slot, not
+            // two (see `RunSlot`).
+            if let Some(slot) = slot {
+                slot.touch_words(pos);
+            }
+            let body = slot
+                .and_then(|s| s.body.load(&self.pin))
                 .filter(|b| b.part == part && pos < b.len() && b.holds_key(pos, key));
             found = body.map(|b| (b, pos));
             found.is_some()
@@ -2471,6 +2525,44 @@ mod tests {
         assert_eq!(w.shape().1, 1);
         drop(w);
         assert_eq!(held(&store, 0, 500..501, 9), [true]);
+    }
+
+    /// Every directory slot's data hint names its current body's data, and
+    /// none is left once the run is freed, through appends, rebuilds for new
+    /// holders and clears.
+    fn assert_hints_follow_bodies(store: &Store) {
+        let pin = epoch::pin();
+        for run in 0..store.write().run_bound() {
+            let Some(slot) = store.runs.get(run) else {
+                continue;
+            };
+            let hint = slot.words.load(Ordering::Relaxed).cast_const();
+            match slot.body.load(&pin) {
+                Some(body) => assert_eq!(hint, body.data.words.as_ptr(), "run {run}"),
+                None => assert!(hint.is_null(), "freed run {run} keeps a hint"),
+            }
+        }
+    }
+
+    #[test]
+    fn directory_hints_follow_their_bodies() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        for r in 0..4 {
+            store
+                .write()
+                .hold(0, &keys(0, 0..70)[..], claim(r, 5), &mut h);
+            assert_hints_follow_bodies(&store);
+        }
+        store
+            .write()
+            .hold(0, &keys(0, 500..530)[..], claim(9, 5), &mut h);
+        let mut count = Count(Vec::new());
+        for r in 0..4 {
+            store.write().clear(r, |_| true, &mut count);
+            assert_hints_follow_bodies(&store);
+        }
+        assert_eq!(held(&store, 0, 500..530, 9), vec![true; 30]);
     }
 
     #[test]
