@@ -69,9 +69,9 @@
 //!
 //! Cost: two passes over the live members (each candidate knows its
 //! member's place, from the liveness check); the answer's order is a sort
-//! of integer keys (a name's place comes from the catalog's order key, so ties never
-//! compare strings); everything lives in stack buffers of 32 members (heap
-//! beyond).
+//! of integer keys (a name's place comes from the catalog's order key, so
+//! ties never compare strings); everything lives in stack buffers of 32
+//! members (heap beyond).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

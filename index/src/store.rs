@@ -68,7 +68,8 @@
 //! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
 //! exactly one or two slots for one or two holders, half again as many
 //! beyond) + the key table's 8-byte slot at 3/8–3/4 load, plus a run
-//! header and a prefix word per row slot shared by the run's blocks.
+//! header, a 16-byte directory slot and a prefix word per row slot shared
+//! by the run's blocks.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -1254,8 +1255,9 @@ impl Reader<'_> {
     }
 
     /// Starts loading the body of the run the key's slot names (the first
-    /// one under its tag, unchecked: a hint), so that a
-    /// [`locate`](Self::locate) soon after finds it in cache.
+    /// one under its tag, unchecked: a hint) and the data line of the key's
+    /// position, so that a [`locate`](Self::locate) soon after finds both
+    /// in cache.
     pub fn touch_run(&self, key: &Key<'_>) {
         self.table().find(key.probe, |loc| {
             let (run, pos) = split(loc);
