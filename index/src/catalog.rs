@@ -100,6 +100,51 @@ impl Scope {
     }
 }
 
+/// One remembered resolution of a scope's four names (tenant, model,
+/// scheme, adapter), valid for the catalog generation it was made at. The
+/// lookup and the ingest each keep one per thread: consecutive requests and
+/// reports nearly always name the same scope, and four string compares cost
+/// far less than the hash probes of the names and id tuples they stand for.
+pub(crate) struct ScopeMemo<T> {
+    generation: u64,
+    names: [String; 4],
+    value: Option<T>,
+}
+
+impl<T: Copy> ScopeMemo<T> {
+    pub const fn empty() -> Self {
+        Self {
+            generation: 0,
+            names: [String::new(), String::new(), String::new(), String::new()],
+            value: None,
+        }
+    }
+
+    /// What `names` resolved to, if they are the remembered ones and the
+    /// catalog is still at that generation.
+    pub fn get(&self, generation: u64, names: [&str; 4]) -> Option<T> {
+        let value = self.value?;
+        (self.generation == generation && names == self.names.each_ref().map(String::as_str))
+            .then_some(value)
+    }
+
+    /// Remembers what `names` resolved to at `generation`.
+    pub fn set(&mut self, generation: u64, names: [&str; 4], value: T) {
+        // Names past this bound are resolved every time rather than copied.
+        const MAX_NAME: usize = 256;
+        if names.iter().any(|n| n.len() > MAX_NAME) {
+            self.value = None;
+            return;
+        }
+        for (kept, name) in self.names.iter_mut().zip(names) {
+            kept.clear();
+            kept.push_str(name);
+        }
+        self.generation = generation;
+        self.value = Some(value);
+    }
+}
+
 /// Ids per chunk of an [`IdList`].
 const ID_CHUNK: usize = 256;
 

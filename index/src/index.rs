@@ -23,7 +23,7 @@ use hashbrown::HashMap;
 use parking_lot::{RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
-use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId};
+use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, ScopeMemo};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::messages::{
@@ -106,75 +106,12 @@ struct KnownNames {
 
 thread_local! {
     /// The scope names of the last update ingested on this thread and what
-    /// they resolved to. A replica's reports, and most replicas' reports,
-    /// name one `(tenant, model, scheme, adapter)`, so the next update
-    /// usually names the same: four string compares instead of four hash
-    /// probes of the names and two of the id tuples (about 300 of an
-    /// update's instructions net). It holds
-    /// for one catalog generation, and only a joined pair is kept (a pair is
-    /// unjoined only where the generation changes).
-    static LAST_SCOPE: std::cell::RefCell<ScopeMemo> =
+    /// they resolved to (see [`ScopeMemo`]): a replica's reports, and most
+    /// replicas' reports, name one `(tenant, model, scheme, adapter)`
+    /// (about 300 of an update's instructions net). Only a joined pair is
+    /// kept (a pair is unjoined only where the generation changes).
+    static LAST_SCOPE: std::cell::RefCell<ScopeMemo<([NameId; 3], Option<PartitionId>)>> =
         const { std::cell::RefCell::new(ScopeMemo::empty()) };
-}
-
-/// One remembered resolution of an update's scope names: the catalog
-/// generation it was made at, the names (tenant, model, scheme, adapter),
-/// the ids of the first three and the adapter's partition.
-struct ScopeMemo {
-    generation: u64,
-    names: [String; 4],
-    ids: Option<([NameId; 3], Option<PartitionId>)>,
-}
-
-impl ScopeMemo {
-    const fn empty() -> Self {
-        Self {
-            generation: 0,
-            names: [String::new(), String::new(), String::new(), String::new()],
-            ids: None,
-        }
-    }
-
-    fn key(update: &CacheUpdate) -> [&str; 4] {
-        [
-            &update.tenant_id,
-            &update.model_id,
-            &update.hash_scheme,
-            &update.adapter_id,
-        ]
-    }
-
-    fn get(
-        &self,
-        generation: u64,
-        update: &CacheUpdate,
-    ) -> Option<([NameId; 3], Option<PartitionId>)> {
-        let ids = self.ids?;
-        (self.generation == generation
-            && Self::key(update) == self.names.each_ref().map(String::as_str))
-        .then_some(ids)
-    }
-
-    fn set(
-        &mut self,
-        generation: u64,
-        update: &CacheUpdate,
-        ids: ([NameId; 3], Option<PartitionId>),
-    ) {
-        // Names past this bound are resolved every time rather than copied.
-        const MAX_NAME: usize = 256;
-        let key = Self::key(update);
-        if key.iter().any(|k| k.len() > MAX_NAME) {
-            self.ids = None;
-            return;
-        }
-        for (kept, name) in self.names.iter_mut().zip(key) {
-            kept.clear();
-            kept.push_str(name);
-        }
-        self.generation = generation;
-        self.ids = Some(ids);
-    }
 }
 
 /// Default bound on the replicas one key keeps.
@@ -408,8 +345,14 @@ impl CacheIndex {
             });
         }
         let generation = catalog.generation();
+        let scope_names = [
+            update.tenant_id.as_str(),
+            &update.model_id,
+            &update.hash_scheme,
+            &update.adapter_id,
+        ];
         let (ids, part) = LAST_SCOPE.with_borrow_mut(|memo| {
-            if let Some(hit) = memo.get(generation, update) {
+            if let Some(hit) = memo.get(generation, scope_names) {
                 return Some(hit);
             }
             let ids = [
@@ -423,7 +366,7 @@ impl CacheIndex {
             let part = catalog
                 .name(&update.adapter_id)
                 .and_then(|a| catalog.partition_of([ids[0], ids[1], ids[2], a]));
-            memo.set(generation, update, (ids, part));
+            memo.set(generation, scope_names, (ids, part));
             Some((ids, part))
         })?;
         Some(KnownNames {

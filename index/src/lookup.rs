@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
-use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, Scope};
+use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, Scope, ScopeMemo};
 use crate::clock::ms_to_secs;
 use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
@@ -271,11 +271,11 @@ fn admit<'r>(req: &LookupRequest<'r>, policy: &CachePolicy) -> Result<Admitted<'
 /// The request's names, scope and partition, each name resolved once.
 fn resolve<'c>(catalog: &'c Catalog, req: &LookupRequest<'_>) -> Resolved<'c> {
     let ids = LAST_RESOLVED.with_borrow_mut(|memo| {
-        if let Some(ids) = memo.get(catalog.generation(), req) {
+        if let Some(ids) = memo.get(catalog.generation(), scope_names(req)) {
             return ids;
         }
         let ids = resolve_ids(catalog, req);
-        memo.set(catalog.generation(), req, ids);
+        memo.set(catalog.generation(), scope_names(req), ids);
         ids
     });
     Resolved {
@@ -303,6 +303,11 @@ fn resolve_ids(catalog: &Catalog, req: &LookupRequest<'_>) -> ResolvedIds {
     ResolvedIds { names, scope, part }
 }
 
+/// A request's scope names, as [`ScopeMemo`] keys them.
+fn scope_names<'r>(req: &LookupRequest<'r>) -> [&'r str; 4] {
+    [req.tenant_id, req.model_id, req.hash_scheme, req.adapter_id]
+}
+
 /// What a request's names resolve to, as ids.
 #[derive(Debug, Clone, Copy)]
 struct ResolvedIds {
@@ -312,58 +317,11 @@ struct ResolvedIds {
 }
 
 thread_local! {
-    /// The last resolution on this thread. A gateway's lookups come in a
-    /// few `(tenant, model, scheme, adapter)` combinations, so the next one
-    /// usually asks the same: four string compares instead of four hash
-    /// probes of the names and two of the id tuples (about 500 of a
-    /// lookup's instructions). It holds for one catalog generation.
-    static LAST_RESOLVED: std::cell::RefCell<ResolveMemo> =
-        const { std::cell::RefCell::new(ResolveMemo::empty()) };
-}
-
-/// One remembered resolution: the catalog generation it was made at, the
-/// four names and their ids.
-struct ResolveMemo {
-    generation: u64,
-    names: [String; 4],
-    ids: Option<ResolvedIds>,
-}
-
-impl ResolveMemo {
-    const fn empty() -> Self {
-        Self {
-            generation: 0,
-            names: [String::new(), String::new(), String::new(), String::new()],
-            ids: None,
-        }
-    }
-
-    fn key<'r>(req: &LookupRequest<'r>) -> [&'r str; 4] {
-        [req.tenant_id, req.model_id, req.hash_scheme, req.adapter_id]
-    }
-
-    fn get(&self, generation: u64, req: &LookupRequest<'_>) -> Option<ResolvedIds> {
-        let ids = self.ids?;
-        (self.generation == generation
-            && Self::key(req) == self.names.each_ref().map(String::as_str))
-        .then_some(ids)
-    }
-
-    fn set(&mut self, generation: u64, req: &LookupRequest<'_>, ids: ResolvedIds) {
-        // Names past this bound are resolved every time rather than copied.
-        const MAX_NAME: usize = 256;
-        let key = Self::key(req);
-        if key.iter().any(|k| k.len() > MAX_NAME) {
-            self.ids = None;
-            return;
-        }
-        for (kept, name) in self.names.iter_mut().zip(key) {
-            kept.clear();
-            kept.push_str(name);
-        }
-        self.generation = generation;
-        self.ids = Some(ids);
-    }
+    /// The last resolution on this thread (see [`ScopeMemo`]): a gateway's
+    /// lookups come in a few `(tenant, model, scheme, adapter)`
+    /// combinations (about 500 of a lookup's instructions when it hits).
+    static LAST_RESOLVED: std::cell::RefCell<ScopeMemo<ResolvedIds>> =
+        const { std::cell::RefCell::new(ScopeMemo::empty()) };
 }
 
 /// Live members of the request's `(tenant, model)` that serve its hash

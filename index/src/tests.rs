@@ -62,6 +62,18 @@ fn exact_prefix(hash: u64, tokens: u32) -> PrefixReport {
 }
 
 impl Fixture {
+    /// ALL_CLEARED for `replica`, across every tenant and model.
+    fn clear(&self, replica: &str) -> EventReport {
+        self.index.publish(&CacheEvent {
+            kind: EventKind::AllCleared,
+            replica_id: replica.into(),
+            model_id: String::new(),
+            tenant_id: String::new(),
+            prefix_hash: Vec::new(),
+            adapter_id: String::new(),
+        })
+    }
+
     fn hold(&self, replica: &str, blocks: &[Vec<u8>]) {
         self.index
             .ingest(&update(replica, vec![chain_prefix(blocks, 64)]));
@@ -928,24 +940,14 @@ fn all_cleared_touches_only_what_the_replica_held() {
     let b = f.index.catalog.read().replica("B").expect("B");
     assert_eq!(f.index.store.write().runs_of(a), 3);
     assert_eq!(f.index.store.write().runs_of(b), 2);
-    let clear = |replica: &str| {
-        f.index.publish(&CacheEvent {
-            kind: EventKind::AllCleared,
-            replica_id: replica.into(),
-            model_id: String::new(),
-            tenant_id: String::new(),
-            prefix_hash: Vec::new(),
-            adapter_id: String::new(),
-        })
-    };
-    assert_eq!(clear("A").entries_removed, 120);
+    assert_eq!(f.clear("A").entries_removed, 120);
     assert_eq!(f.index.store.write().runs_of(a), 0);
     // A's private runs are freed with their keys; the shared run stays for B.
     let (keys, runs, _) = f.index.store.write().shape();
     assert_eq!((keys, runs), (50, 2));
     assert_eq!(f.index.entry_count(), 50);
     assert_eq!(f.index.prefix_count(), 50);
-    assert_eq!(clear("B").entries_removed, 50);
+    assert_eq!(f.clear("B").entries_removed, 50);
     assert_eq!(f.index.store.write().shape().0, 0);
     assert_eq!((f.index.entry_count(), f.index.prefix_count()), (0, 0));
 }
@@ -1051,14 +1053,7 @@ fn a_lookup_sees_names_as_they_come_and_go() {
     f.hold("A", &blocks);
     assert_eq!(f.lookup_chain(&blocks).reason, Reason::PrefixMatch);
     assert_eq!(ids(&f.lookup_chain(&blocks)), ["A"]);
-    f.index.publish(&CacheEvent {
-        kind: EventKind::AllCleared,
-        replica_id: "A".into(),
-        model_id: String::new(),
-        tenant_id: String::new(),
-        prefix_hash: Vec::new(),
-        adapter_id: String::new(),
-    });
+    f.clear("A");
     let report = f.index.sweep();
     assert!(report.partitions_freed >= 1, "{report:?}");
     assert!(report.names_freed >= 1, "{report:?}");
@@ -1189,14 +1184,7 @@ fn alternating_scopes_each_land_in_their_own_partition() {
             }
         }
     }
-    f.index.publish(&CacheEvent {
-        kind: EventKind::AllCleared,
-        replica_id: "A".into(),
-        model_id: String::new(),
-        tenant_id: String::new(),
-        prefix_hash: Vec::new(),
-        adapter_id: String::new(),
-    });
+    f.clear("A");
     f.index.sweep();
     ingest("tenant-b", "", 5000);
     assert!(found("tenant-b", "", 5000));
