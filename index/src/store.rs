@@ -2229,8 +2229,10 @@ mod tests {
 
     /// Pins and unpins on another thread until every batch the writer
     /// retired is marked done (the epoch moved past every earlier pin), as
-    /// lookups on other threads would; false if that never happens.
-    fn others_pass_the_epoch(store: &Store, tries: usize) -> bool {
+    /// lookups on other threads would; false if that does not happen
+    /// `within` (the epoch is the process's: a test on another thread that
+    /// is pinned holds it up for as long).
+    fn others_pass_the_epoch(store: &Store, within: std::time::Duration) -> bool {
         let all_done = || {
             let w = store.writer.lock();
             !w.retired.is_empty() && w.retired.iter().all(|b| b.done.load(Ordering::Acquire))
@@ -2238,7 +2240,8 @@ mod tests {
         std::thread::scope(|scope| {
             scope
                 .spawn(|| {
-                    for _ in 0..tries {
+                    let deadline = std::time::Instant::now() + within;
+                    while std::time::Instant::now() < deadline {
                         if all_done() {
                             return true;
                         }
@@ -2265,7 +2268,10 @@ mod tests {
     /// mark `old`'s batch done without dropping it, and the next write
     /// frees it.
     fn freed_by_the_next_write<T>(store: &Store, old: &std::sync::Weak<T>) {
-        assert!(others_pass_the_epoch(store, 100_000), "the epoch moves on");
+        assert!(
+            others_pass_the_epoch(store, std::time::Duration::from_secs(20)),
+            "the epoch moves on"
+        );
         assert!(old.upgrade().is_some(), "not freed on a reader's thread");
         drop(store.write());
         assert!(old.upgrade().is_none(), "freed by the writer");
@@ -2288,7 +2294,7 @@ mod tests {
         // However much the others pin and the writer writes, the body this
         // reader holds stays whole while it is pinned.
         assert!(
-            !others_pass_the_epoch(&store, 200),
+            !others_pass_the_epoch(&store, std::time::Duration::from_millis(50)),
             "the reader's pin holds the epoch"
         );
         for _ in 0..100 {
