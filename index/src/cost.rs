@@ -347,7 +347,6 @@ fn cost_view(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rank_by_cost(
     ctx: &Ctx<'_>,
-    catalog: &Catalog,
     fleet: &Fleet,
     members: &mut [MemberCost],
     cands: &[Candidate],
@@ -425,7 +424,7 @@ pub(crate) fn rank_by_cost(
         .map(|&(.., i)| {
             let m = &members[i as usize];
             ReplicaScore {
-                replica_id: catalog.replica_str(m.replica).clone(),
+                replica: m.replica,
                 score: (total / (total + m.cost)) as f32,
                 matched_tokens: i32::try_from(m.matched).unwrap_or(i32::MAX),
                 estimated_cache_hit_prob: ((m.matched as f64 / total).min(1.0)
@@ -490,7 +489,7 @@ pub(crate) fn bounded_affinity(
         .or_else(|| rendezvous(&|m| m.cost <= cost_limit))
         .or_else(|| rendezvous(&|_| true))?;
     Some(ReplicaScore {
-        replica_id: catalog.replica_str(replica).clone(),
+        replica,
         score: 0.0,
         matched_tokens: 0,
         estimated_cache_hit_prob: 0.0,

@@ -45,7 +45,7 @@
 //! request.chain = ChainInput::Wire(&request_chain);
 //! let outcome = index.lookup(&request);
 //! assert_eq!(outcome.reason, Reason::PrefixMatch);
-//! let order: Vec<&str> = outcome.scores.iter().map(|s| &*s.replica_id).collect();
+//! let order: Vec<&str> = outcome.replica_ids().collect();
 //! assert_eq!(order, ["a", "b", "c"]);
 //! # Ok::<(), DropReason>(())
 //! ```

@@ -490,7 +490,6 @@ impl CacheIndex {
         // The cost-aware ranker counts the hinted prefill as load.
         if policy.ranker == Ranker::CostAware {
             self.count_hinted(
-                &catalog,
                 &fleet,
                 &scene.ctx,
                 &outcome,
@@ -501,19 +500,14 @@ impl CacheIndex {
         let (part, chain) = (scene.at.part, scene.admitted.chain);
         drop(serving);
         drop(fleet);
-        // An LFU policy credits the blocks of a PREFIX_MATCH.
+        drop(catalog);
+        // An LFU policy credits the blocks of a PREFIX_MATCH (by id: a
+        // partition or replica freed meanwhile is a miss).
         if outcome.reason == Reason::PrefixMatch
             && policy.eviction == Eviction::Lfu
             && let Some(p) = part
         {
-            self.credit(
-                &catalog,
-                p,
-                chain,
-                req.prefix_hash,
-                &outcome.scores,
-                cands.as_slice(),
-            );
+            self.credit(p, chain, req.prefix_hash, &outcome.scores, cands.as_slice());
         }
         outcome
     }
@@ -615,7 +609,6 @@ impl CacheIndex {
                 let members = loads.get(self, ctx, serving);
                 rank_by_cost(
                     ctx,
-                    catalog,
                     fleet,
                     members,
                     cands.as_slice(),
@@ -663,12 +656,9 @@ impl CacheIndex {
         let adapter = req.adapter_id;
         let chain = scene.admitted.chain;
         match ranked {
-            Ranked::Hint(reason, scores) => LookupOutcome {
-                reason,
-                scores,
-                adapter_id: adapter.to_owned(),
-                decision,
-            },
+            Ranked::Hint(reason, scores) => {
+                LookupOutcome::ranked(reason, scores, adapter, decision, catalog.replica_list())
+            }
             Ranked::Diagnostic(code) => LookupOutcome::empty(code, adapter),
             Ranked::Downgraded { seed_block, .. } => {
                 let pick = match policy.ranker {
@@ -691,16 +681,18 @@ impl CacheIndex {
                     }
                 };
                 match pick {
-                    Some(score) => LookupOutcome {
-                        reason: Reason::AffinityHint,
-                        scores: vec![score],
-                        adapter_id: adapter.to_owned(),
+                    Some(score) => LookupOutcome::ranked(
+                        Reason::AffinityHint,
+                        vec![score],
+                        adapter,
                         decision,
-                    },
-                    None => LookupOutcome {
-                        decision,
-                        ..LookupOutcome::empty(Reason::NoHint, adapter)
-                    },
+                        catalog.replica_list(),
+                    ),
+                    None => {
+                        let mut outcome = LookupOutcome::empty(Reason::NoHint, adapter);
+                        outcome.decision = decision;
+                        outcome
+                    }
                 }
             }
         }
@@ -710,7 +702,6 @@ impl CacheIndex {
     /// there until the replica's next stats report.
     fn count_hinted(
         &self,
-        catalog: &Catalog,
         fleet: &Fleet,
         ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
@@ -723,19 +714,7 @@ impl CacheIndex {
         let Some(top) = outcome.scores.first() else {
             return;
         };
-        // The answer names a live member by the catalog's own string: find
-        // its id by that pointer rather than hashing the name.
-        let named =
-            |r: &ReplicaId| std::sync::Arc::ptr_eq(catalog.replica_str(*r), &top.replica_id);
-        let Some(replica) = cands
-            .iter()
-            .map(|c| c.replica)
-            .find(named)
-            .or_else(|| serving.iter().map(|l| l.replica).find(named))
-            .or_else(|| catalog.replica(&top.replica_id))
-        else {
-            return;
-        };
+        let replica = top.replica;
         let matched = cands
             .iter()
             .find(|c| c.replica == replica)
@@ -830,7 +809,7 @@ impl CacheIndex {
             };
             let hit = (c.matched as f64 / denominator as f64).min(1.0) * freshness;
             scores.push(ReplicaScore {
-                replica_id: catalog.replica_str(c.replica).clone(),
+                replica: c.replica,
                 score: score as f32,
                 matched_tokens: i32::try_from(c.matched).unwrap_or(i32::MAX),
                 estimated_cache_hit_prob: hit as f32,
@@ -840,7 +819,7 @@ impl CacheIndex {
         if scores.is_empty() {
             return Ranked::DOWNGRADED;
         }
-        sort_scores(&mut scores);
+        sort_scores(&mut scores, catalog);
         if f64::from(scores[0].score) < ctx.policy.routing_floor_score {
             return Ranked::DOWNGRADED;
         }
@@ -888,14 +867,14 @@ impl CacheIndex {
                 * ctx.pressure_factor(Some(record))
                 * ctx.slo_bias(recency);
             scores.push(ReplicaScore {
-                replica_id: catalog.replica_str(replica).clone(),
+                replica,
                 score: score as f32,
                 matched_tokens: 0,
                 estimated_cache_hit_prob: 0.0,
                 tier: Tier::Unspecified,
             });
         }
-        sort_scores(&mut scores);
+        sort_scores(&mut scores, catalog);
         scores
     }
 
@@ -941,19 +920,21 @@ impl CacheIndex {
         if !policy.affinity_routing {
             return None;
         }
-        let mut replicas: Vec<&std::sync::Arc<str>> = serving
-            .iter()
-            .map(|l| catalog.replica_str(l.replica))
-            .collect();
-        if replicas.is_empty() {
+        if serving.is_empty() {
             return None;
         }
-        replicas.sort();
+        // The members by name (the catalog's order keys order as names do).
+        let mut replicas: Vec<(u64, ReplicaId)> =
+            serving.iter().map(|l| (l.order, l.replica)).collect();
+        replicas.sort_unstable();
         let seed = affinity_digest(chain, prefix_hash)?;
-        let names: Vec<&str> = replicas.iter().map(|r| r.as_ref()).collect();
+        let names: Vec<&str> = replicas
+            .iter()
+            .map(|&(_, r)| &**catalog.replica_str(r))
+            .collect();
         let pick = pick_affinity(policy.affinity_algorithm, &seed, &names);
         Some(ReplicaScore {
-            replica_id: replicas[pick].clone(),
+            replica: replicas[pick].1,
             score: 0.0,
             matched_tokens: 0,
             estimated_cache_hit_prob: 0.0,
@@ -963,7 +944,6 @@ impl CacheIndex {
 
     fn credit(
         &self,
-        catalog: &Catalog,
         part: PartitionId,
         chain: Option<Chain<'_>>,
         prefix_hash: &[u8],
@@ -972,9 +952,7 @@ impl CacheIndex {
     ) {
         let reader = self.store.reader();
         for score in scores {
-            let Some(replica) = catalog.replica(&score.replica_id) else {
-                continue;
-            };
+            let replica = score.replica;
             let blocks = cands
                 .iter()
                 .find(|c| c.replica == replica)
@@ -1133,11 +1111,14 @@ fn extend(c: &mut Candidate, stretch: Stretch, tokens: &Tokens<'_>) {
     c.blocks += k as u32;
 }
 
-fn sort_scores(scores: &mut [ReplicaScore]) {
+/// By score, then by name (the catalog's order keys order as names do).
+fn sort_scores(scores: &mut [ReplicaScore], catalog: &Catalog) {
     scores.sort_by(|a, b| {
-        b.score
-            .total_cmp(&a.score)
-            .then_with(|| a.replica_id.cmp(&b.replica_id))
+        b.score.total_cmp(&a.score).then_with(|| {
+            catalog
+                .replica_order(a.replica)
+                .cmp(&catalog.replica_order(b.replica))
+        })
     });
 }
 

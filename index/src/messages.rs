@@ -9,11 +9,13 @@
 //! [`DropReason`]s ([`CacheUpdate::rejected`]) or answers (a
 //! [`ChainInput`] that is not a valid chain). A lookup borrows its chain.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::catalog::ReplicaList;
 use crate::store::HashRef;
 
 /// Reserved tenant of the server's self-test; unreadable and unwritable here.
@@ -523,11 +525,12 @@ impl Reason {
     }
 }
 
-/// One ranked replica.
-#[derive(Debug, Clone, PartialEq)]
+/// One ranked replica. Its name is the answer's
+/// ([`LookupOutcome::replica_id`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReplicaScore {
-    /// Replica id.
-    pub replica_id: Arc<str>,
+    /// The replica's id in the index that answered (as in [`HolderMatch`]).
+    pub replica: u32,
     /// Ranking score (higher is better).
     pub score: f32,
     /// Tokens of the request the replica holds.
@@ -618,7 +621,7 @@ impl Decision {
 }
 
 /// What a lookup answers.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone)]
 pub struct LookupOutcome {
     /// Reason code.
     pub reason: Reason,
@@ -628,9 +631,52 @@ pub struct LookupOutcome {
     pub adapter_id: String,
     /// What decided the answer.
     pub decision: Decision,
+    /// The names behind the scores' ids, as they were when it answered.
+    names: Option<Arc<ReplicaList>>,
 }
 
 impl LookupOutcome {
+    /// An answer that ranks replicas named in `names`.
+    pub(crate) fn ranked(
+        reason: Reason,
+        scores: Vec<ReplicaScore>,
+        adapter: &str,
+        decision: Decision,
+        names: &Arc<ReplicaList>,
+    ) -> Self {
+        Self {
+            reason,
+            names: (!scores.is_empty()).then(|| names.clone()),
+            scores,
+            adapter_id: adapter.to_owned(),
+            decision,
+        }
+    }
+
+    /// The name of a replica this answer ranks (empty for a score it did
+    /// not give).
+    pub fn replica_id(&self, score: &ReplicaScore) -> &str {
+        self.names
+            .as_deref()
+            .and_then(|n| n.name(score.replica))
+            .unwrap_or("")
+    }
+
+    /// The ranked replicas' names, best first.
+    pub fn replica_ids(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.scores.iter().map(|s| self.replica_id(s))
+    }
+
+    /// The best replica's name and score, if it ranks any.
+    pub fn top(&self) -> Option<(&str, &ReplicaScore)> {
+        self.scores.first().map(|s| (self.replica_id(s), s))
+    }
+
+    /// The scores with their replicas' names, best first.
+    pub fn named_scores(&self) -> impl ExactSizeIterator<Item = (&str, &ReplicaScore)> + '_ {
+        self.scores.iter().map(|s| (self.replica_id(s), s))
+    }
+
     pub(crate) fn empty(reason: Reason, adapter: &str) -> Self {
         let decision = match reason {
             Reason::Timeout => Decision::Timeout,
@@ -644,7 +690,56 @@ impl LookupOutcome {
             scores: Vec::new(),
             adapter_id: adapter.to_owned(),
             decision,
+            names: None,
         }
+    }
+}
+
+/// Two answers are equal when they say the same: the same replicas by name
+/// (ids are one index's), scores, codes and echo.
+impl PartialEq for LookupOutcome {
+    fn eq(&self, other: &Self) -> bool {
+        let same_score =
+            |((a_name, a), (b_name, b)): ((&str, &ReplicaScore), (&str, &ReplicaScore))| {
+                a_name == b_name
+                    && a.score == b.score
+                    && a.matched_tokens == b.matched_tokens
+                    && a.estimated_cache_hit_prob == b.estimated_cache_hit_prob
+                    && a.tier == b.tier
+            };
+        self.reason == other.reason
+            && self.decision == other.decision
+            && self.adapter_id == other.adapter_id
+            && self.scores.len() == other.scores.len()
+            && self
+                .named_scores()
+                .zip(other.named_scores())
+                .all(same_score)
+    }
+}
+
+/// Shows each score with its replica's name.
+impl fmt::Debug for LookupOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct Named<'a>(&'a str, &'a ReplicaScore);
+        impl fmt::Debug for Named<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct("ReplicaScore")
+                    .field("replica_id", &self.0)
+                    .field("score", &self.1.score)
+                    .field("matched_tokens", &self.1.matched_tokens)
+                    .field("estimated_cache_hit_prob", &self.1.estimated_cache_hit_prob)
+                    .field("tier", &self.1.tier)
+                    .finish()
+            }
+        }
+        let scores: Vec<Named<'_>> = self.named_scores().map(|(n, s)| Named(n, s)).collect();
+        f.debug_struct("LookupOutcome")
+            .field("reason", &self.reason)
+            .field("scores", &scores)
+            .field("adapter_id", &self.adapter_id)
+            .field("decision", &self.decision)
+            .finish()
     }
 }
 

@@ -134,7 +134,7 @@ pub(crate) fn heartbeat(index: &CacheIndex, replica: &str) {
 }
 
 fn ids(o: &LookupOutcome) -> Vec<&str> {
-    o.scores.iter().map(|s| &*s.replica_id).collect()
+    o.replica_ids().collect()
 }
 
 #[test]
@@ -194,7 +194,7 @@ fn weakest_link_freshness_and_coldest_tier() {
     let o = f.lookup_chain(&blocks);
     assert_eq!(o.reason, Reason::PrefixMatch);
     let a = &o.scores[0];
-    assert_eq!(&*a.replica_id, "A");
+    assert_eq!(o.replica_id(a), "A");
     assert_eq!(a.tier, Tier::T2);
     // oldest block is 15 of 30 minutes old → freshness 0.5; power 1 - 1/2.
     assert!(
@@ -884,7 +884,7 @@ fn affinity_is_stable_and_rendezvous_moves_few() {
     let pick = |f: &Fixture, seed: u64| {
         let o = f.lookup_chain(&chain(seed * 10..seed * 10 + 2));
         assert_eq!(o.reason, Reason::AffinityHint);
-        o.scores[0].replica_id.to_string()
+        o.replica_id(&o.scores[0]).to_string()
     };
     let first: Vec<String> = (1..50).map(|s| pick(&f, s)).collect();
     let again: Vec<String> = (1..50).map(|s| pick(&f, s)).collect();
@@ -1121,9 +1121,8 @@ fn the_match_step_reports_every_holder_s_leading_run_before_ranking() {
     // The lookup ranks exactly these runs.
     let o = f.index.lookup(&r);
     let mut ranked: Vec<(String, i32)> = o
-        .scores
-        .iter()
-        .map(|s| (s.replica_id.to_string(), s.matched_tokens))
+        .named_scores()
+        .map(|(name, s)| (name.to_string(), s.matched_tokens))
         .collect();
     ranked.sort();
     assert_eq!(
@@ -1190,4 +1189,46 @@ fn alternating_scopes_each_land_in_their_own_partition() {
     assert!(found("tenant-b", "", 5000));
     assert!(!found("tenant-a", "", 5000));
     assert!(!found("tenant-b", "", 1000), "cleared");
+}
+
+#[test]
+fn an_answer_keeps_the_names_it_gave_while_replicas_come_and_go() {
+    let f = fixture();
+    let blocks = chain(0..3);
+    f.hold("A", &blocks);
+    f.hold("B", &blocks[..2]);
+    let o = f.lookup_chain(&blocks);
+    assert_eq!(ids(&o), ["A", "B"]);
+    // Each score's id is the index's own, and names the same replica.
+    for (name, score) in o.named_scores() {
+        assert_eq!(f.index.replica_name(score.replica).as_deref(), Some(name));
+    }
+    // Replicas named after the answer (the catalog copies the list the
+    // answer shares, then adds to its own) and A's id freed by a sweep.
+    for r in 0..300 {
+        f.hold(&format!("late-{r}"), &chain(1000 + r..1001 + r));
+    }
+    let a = o.scores[0].replica;
+    f.clear("A");
+    f.clock.advance(Duration::from_secs(3600));
+    f.index.sweep();
+    assert_eq!(f.index.replica_name(a), None, "A's id is freed");
+    assert_eq!(ids(&o), ["A", "B"]);
+    assert_eq!(o.top().map(|(name, _)| name), Some("A"));
+    // A later answer names what the catalog holds now.
+    f.hold("B", &blocks);
+    assert_eq!(ids(&f.lookup_chain(&blocks)), ["B"]);
+    // Answers compare by name, not by one index's ids: the same holdings
+    // reported in another order give other ids and an equal answer.
+    let twin = fixture();
+    twin.hold("B", &blocks[..2]);
+    twin.hold("A", &blocks);
+    let again = fixture();
+    again.hold("A", &blocks);
+    again.hold("B", &blocks[..2]);
+    let (x, y) = (twin.lookup_chain(&blocks), again.lookup_chain(&blocks));
+    assert_ne!(x.scores[0].replica, y.scores[0].replica);
+    assert_eq!(x, y);
+    assert_eq!(ids(&x), ["A", "B"]);
+    assert!(format!("{x:?}").contains("\"A\""), "{x:?}");
 }

@@ -76,10 +76,10 @@ proptest! {
         let chain = BlockChain::new(&blocks[..asked], counts[..asked].to_vec()).expect("a valid chain");
         request.chain = ChainInput::Wire(&chain);
         let outcome = index.lookup(&request);
-        for score in &outcome.scores {
-            let r: usize = score.replica_id[1..].parse().expect("replica index");
+        for (name, score) in outcome.named_scores() {
+            let r: usize = name[1..].parse().expect("replica index");
             // Never a replica lacking block 0.
-            prop_assert!(holdings[r][0], "{} lacks block 0", score.replica_id);
+            prop_assert!(holdings[r][0], "{} lacks block 0", name);
             // matched_tokens is the sum of the counts of the leading run.
             let run = holdings[r][..asked].iter().take_while(|&&h| h).count();
             let expected: u32 = counts[..run].iter().sum();
@@ -93,7 +93,7 @@ proptest! {
         if outcome.reason == Reason::PrefixMatch {
             prop_assert!(any_block0);
             let mut holders: Vec<String> = holdings.iter().enumerate().filter(|(_, h)| h[0]).map(|(i, _)| format!("r{i}")).collect();
-            let mut returned: Vec<String> = outcome.scores.iter().map(|s| s.replica_id.to_string()).collect();
+            let mut returned: Vec<String> = outcome.replica_ids().map(str::to_string).collect();
             holders.sort();
             returned.sort();
             prop_assert_eq!(returned, holders);
@@ -295,11 +295,10 @@ affinityRouting: Disabled, evictionTTL: {TTL_SECS}s, replicaTimeout: 1h}}\n"
                     }
                 }
                 let mut got: Vec<(String, i32, i32, u32)> = outcome
-                    .scores
-                    .iter()
-                    .map(|s| {
+                    .named_scores()
+                    .map(|(name, s)| {
                         (
-                            s.replica_id.to_string(),
+                            name.to_string(),
                             s.matched_tokens,
                             s.tier as i32,
                             s.estimated_cache_hit_prob.to_bits(),

@@ -99,15 +99,12 @@ fn round(seed: u64, threads: usize) -> u64 {
                             .expect("a valid chain");
                         req.chain = ChainInput::Derived(&block_chain);
                         let out = index.lookup(&req);
-                        for (i, s) in out.scores.iter().enumerate() {
-                            let known = (0..REPLICAS).any(|r| *s.replica_id == replica(r));
-                            assert!(known, "unknown replica {}", s.replica_id);
+                        let names: Vec<&str> = out.replica_ids().collect();
+                        for (i, (&name, s)) in names.iter().zip(&out.scores).enumerate() {
+                            let known = (0..REPLICAS).any(|r| name == replica(r));
+                            assert!(known, "unknown replica {name}");
                             assert!(i64::from(s.matched_tokens) <= 16 * len as i64);
-                            assert!(
-                                out.scores[..i].iter().all(|o| o.replica_id != s.replica_id),
-                                "{} named twice",
-                                s.replica_id
-                            );
+                            assert!(!names[..i].contains(&name), "{name} named twice");
                             if out.reason == Reason::PrefixMatch && ranker_is_contract {
                                 assert!(s.matched_tokens > 0 && s.matched_tokens % 16 == 0);
                             }
@@ -185,10 +182,7 @@ fn quiescent_check(index: &CacheIndex) {
                 req.prefix_token_count = 16;
                 let out = index.lookup(&req);
                 if out.reason == Reason::PrefixMatch {
-                    out.scores
-                        .iter()
-                        .map(|s| s.replica_id.to_string())
-                        .collect()
+                    out.replica_ids().map(str::to_string).collect()
                 } else {
                     Vec::new()
                 }
@@ -208,9 +202,8 @@ fn quiescent_check(index: &CacheIndex) {
         req.chain = ChainInput::Derived(&block_chain);
         let out = index.lookup(&req);
         let mut got: Vec<(String, i32)> = if out.reason == Reason::PrefixMatch {
-            out.scores
-                .iter()
-                .map(|s| (s.replica_id.to_string(), s.matched_tokens))
+            out.named_scores()
+                .map(|(name, s)| (name.to_string(), s.matched_tokens))
                 .collect()
         } else {
             Vec::new()

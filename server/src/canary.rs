@@ -133,17 +133,17 @@ pub fn check_index(tokens: &[u32], block_size: usize, model: &str) -> Result<(),
     request.arrived = Instant::now();
     let outcome = index.lookup(&request);
     let expected = i64::try_from(chain.tokens()).unwrap_or(i64::MAX);
-    let top = outcome.scores.first();
+    let top = outcome.top();
     let agrees = outcome.reason == Reason::PrefixMatch
-        && top.is_some_and(|score| {
-            &*score.replica_id == CANARY_REPLICA && i64::from(score.matched_tokens) == expected
+        && top.is_some_and(|(name, score)| {
+            name == CANARY_REPLICA && i64::from(score.matched_tokens) == expected
         });
     if !agrees {
         return Err(format!(
             "index: a {}-block chain ingested for one replica looked up as {} with {:?} matched tokens (expected PREFIX_MATCH with {expected})",
             chain.len(),
             outcome.reason.as_str(),
-            top.map(|score| score.matched_tokens),
+            top.map(|(_, score)| score.matched_tokens),
         ));
     }
     Ok(())

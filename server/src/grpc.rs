@@ -288,14 +288,14 @@ impl InferenceCache for CacheService {
             tenant = %request.tenant_id,
             reason = outcome.reason.as_str(),
             decision,
-            replica = outcome.scores.first().map_or("", |s| &*s.replica_id),
+            replica = outcome.replica_ids().next().unwrap_or(""),
             matched_tokens = outcome.scores.first().map_or(0, |s| s.matched_tokens),
             "lookup answered"
         );
         self.metrics
             .record_decision(outcome.reason.as_str(), decision);
         let response = LookupRouteResponse {
-            replica_scores: outcome.scores.into_iter().map(replica_score).collect(),
+            replica_scores: outcome.named_scores().map(replica_score).collect(),
             reason_code: outcome.reason.as_str().to_owned(),
             lookup_latency_us: elapsed_us(started),
             token_ids,
@@ -738,9 +738,9 @@ fn replica_accuracy(row: crate::outcomes::AccuracyRow) -> ReplicaAccuracy {
     }
 }
 
-fn replica_score(s: index::ReplicaScore) -> ReplicaScore {
+fn replica_score((name, s): (&str, &index::ReplicaScore)) -> ReplicaScore {
     ReplicaScore {
-        replica_id: s.replica_id.to_string(),
+        replica_id: name.to_owned(),
         score: s.score,
         matched_tokens: s.matched_tokens,
         estimated_cache_hit_prob: s.estimated_cache_hit_prob,

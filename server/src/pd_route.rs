@@ -249,9 +249,9 @@ pub fn route(
             | Reason::UnknownHashScheme => return PdAnswer::fail_open(outcome.reason),
             Reason::PrefixMatch => {
                 matched = outcome
-                    .scores
-                    .first()
-                    .map(|s| s.replica_id.to_string())
+                    .replica_ids()
+                    .next()
+                    .map(str::to_string)
                     .filter(|r| topology.prefill.contains(r));
             }
             _ => {}

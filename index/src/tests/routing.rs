@@ -46,7 +46,7 @@ fn an_announced_replica_with_no_blocks_is_a_member() {
     let picks: std::collections::HashSet<String> = (100..140)
         .map(|i| f.lookup_chain(&chain(i..i + 2)))
         .filter(|o| o.reason == Reason::AffinityHint)
-        .map(|o| o.scores[0].replica_id.to_string())
+        .map(|o| o.replica_id(&o.scores[0]).to_string())
         .collect();
     assert_eq!(picks.len(), 2, "both members get novel prompts: {picks:?}");
     let state = f.index.snapshot();
@@ -151,7 +151,7 @@ fn a_head_every_member_holds_does_not_decide_the_pick() {
         let o = f.lookup_chain(&prompt);
         assert_eq!(o.reason, Reason::AffinityHint, "the head is no evidence");
         *counts
-            .entry(o.scores[0].replica_id.to_string())
+            .entry(o.replica_id(&o.scores[0]).to_string())
             .or_default() += 1;
         // Once the engines report again, the same session (nothing stored
         // yet) lands on the same replica, and so does it on a second server
@@ -160,14 +160,9 @@ fn a_head_every_member_holds_does_not_decide_the_pick() {
             load(&f, r, 0, 0);
             load(&twin, r, 0, 0);
         }
-        assert_eq!(
-            f.lookup_chain(&prompt).scores[0].replica_id,
-            o.scores[0].replica_id
-        );
-        assert_eq!(
-            twin.lookup_chain(&prompt).scores[0].replica_id,
-            o.scores[0].replica_id
-        );
+        let top = o.replica_id(&o.scores[0]);
+        assert_eq!(f.lookup_chain(&prompt).replica_ids().next(), Some(top));
+        assert_eq!(twin.lookup_chain(&prompt).replica_ids().next(), Some(top));
     }
     assert_eq!(counts.len(), 4);
     assert!(counts.values().all(|&n| n >= 50), "spread: {counts:?}");
@@ -236,7 +231,7 @@ fn a_burst_spreads_before_stats_catch_up() {
     for i in 0..40u64 {
         let o = f.lookup_chain(&chain(10_000 + i * 100..10_020 + i * 100));
         *counts
-            .entry(o.scores[0].replica_id.to_string())
+            .entry(o.replica_id(&o.scores[0]).to_string())
             .or_default() += 1;
     }
     let max = counts.values().copied().max().unwrap_or(0);
@@ -354,7 +349,7 @@ fn a_hot_session_on_an_idle_fleet_is_balanced_against_new_ones() {
         // Each turn extends the conversation by one block.
         long.push(h(50_000 + i));
         let o = f.lookup_chain(&long);
-        let to = o.scores[0].replica_id.to_string();
+        let to = o.replica_id(&o.scores[0]).to_string();
         f.hold(&to, &long);
         if to != last {
             moves += 1;
@@ -363,7 +358,7 @@ fn a_hot_session_on_an_idle_fleet_is_balanced_against_new_ones() {
         *counts.entry(to).or_default() += 1;
         let novel = chain(100_000 + i * 10..100_004 + i * 10);
         let o = f.lookup_chain(&novel);
-        let to = o.scores[0].replica_id.to_string();
+        let to = o.replica_id(&o.scores[0]).to_string();
         f.hold(&to, &novel);
         *counts.entry(to).or_default() += 1;
     }
@@ -407,7 +402,7 @@ fn preamble_and_conversation(continuation_weight: &str, forks: bool) -> (usize, 
         let mut fork = conversation.clone();
         conversation.push(h(2_000 + i));
         let o = f.lookup_chain(&conversation);
-        let to = o.scores[0].replica_id.to_string();
+        let to = o.replica_id(&o.scores[0]).to_string();
         if to != at {
             moves += 1;
             at = to.clone();
@@ -415,7 +410,7 @@ fn preamble_and_conversation(continuation_weight: &str, forks: bool) -> (usize, 
         if forks {
             fork.push(h(3_000 + i));
             let o = f.lookup_chain(&fork);
-            let to = o.scores[0].replica_id.to_string();
+            let to = o.replica_id(&o.scores[0]).to_string();
             f.hold(&to, &fork);
             if to != at {
                 moves += 1;
@@ -426,7 +421,7 @@ fn preamble_and_conversation(continuation_weight: &str, forks: bool) -> (usize, 
             let mut session = preamble.clone();
             session.extend(chain(10_000 + i * 10..10_008 + i * 10));
             let o = f.lookup_chain(&session);
-            let to = o.scores[0].replica_id.to_string();
+            let to = o.replica_id(&o.scores[0]).to_string();
             f.hold(&to, &session);
             elsewhere += usize::from(to != "a");
         }
@@ -491,7 +486,7 @@ fn every_answer_says_what_decided_it() {
     );
     load(&f, "a", 60, 8);
     let o = f.lookup_chain(&next);
-    assert_ne!(o.scores[0].replica_id.as_ref(), "a", "a is swamped");
+    assert_ne!(o.replica_id(&o.scores[0]), "a", "a is swamped");
     assert_eq!(o.decision, Decision::Load);
     load(&f, "a", 0, 0);
     f.policy("  ranker: CostAware\n  minimumPrefixTokens: 100000\n");
@@ -544,7 +539,7 @@ fn new_sessions_leaving_the_holder(full_caches: bool, full_cache_weight: &str) -
         let mut session = preamble.clone();
         session.extend(chain(10_000 + i * 10..10_004 + i * 10));
         let o = f.lookup_chain(&session);
-        let to = o.scores[0].replica_id.to_string();
+        let to = o.replica_id(&o.scores[0]).to_string();
         f.hold(&to, &session);
         elsewhere += usize::from(to != "a");
     }
@@ -592,7 +587,7 @@ fn the_requests_a_replica_reports_waiting_count_at_the_size_that_was_sent_there(
     let picks: Vec<String> = (0..4u64)
         .map(|s| {
             let o = f.lookup_chain(&chain(20_000 + s * 10..20_003 + s * 10));
-            o.scores[0].replica_id.to_string()
+            o.replica_id(&o.scores[0]).to_string()
         })
         .collect();
     assert!(picks.iter().all(|r| r == "b"), "{picks:?}");
