@@ -31,6 +31,16 @@
 //! needs no bounds check, and tests the tag first: a slot under another tag
 //! costs one test. A new table is zeroed by the allocator, and growth fills
 //! it without counting per entry (no reader sees it before the swap).
+//!
+//! A table of 4 MiB or more asks the kernel for transparent huge pages
+//! (`madvise(MADV_HUGEPAGE)` on its 2 MiB-aligned part; Linux, where THP
+//! is `always` or `madvise`). Every probe lands on a random slot, so with
+//! 4 KiB pages nearly every one is a TLB miss as well as a cache miss, and
+//! growth, which writes every entry to a random slot of the new table, a
+//! page walk per entry: at 10M entries with one holder ingest ran at
+//! 12–13M block reports/s with 4 KiB pages and 18–20M with huge pages in
+//! alternating runs. The slots are touched evenly, so resident memory is
+//! what it would be with small pages.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -97,6 +107,7 @@ impl KeyTable {
         // `Slot` is one `AtomicU64`, for which all-zero bits is the value 0
         // (`EMPTY`).
         let slots: Box<[Slot]> = unsafe { Box::new_zeroed_slice(n).assume_init() };
+        advise_huge_pages(&slots);
         Self {
             slots,
             mask: n - 1,
@@ -293,12 +304,94 @@ impl KeyTable {
     }
 }
 
+/// Tables from this size on ask for huge pages (see the module notes).
+const HUGE_PAGE_TABLE: usize = 4 << 20;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Advises the kernel to back the 2 MiB-aligned part of a large table with
+/// transparent huge pages; returns whether it took the advice (a small
+/// table, another OS or a kernel without THP: `false`, and nothing changes).
+fn advise_huge_pages(slots: &[Slot]) -> bool {
+    let bytes = std::mem::size_of_val(slots);
+    if bytes < HUGE_PAGE_TABLE {
+        return false;
+    }
+    let start = slots.as_ptr() as usize;
+    let from = start.next_multiple_of(HUGE_PAGE);
+    let to = (start + bytes) / HUGE_PAGE * HUGE_PAGE;
+    to > from && advise(from, to - from)
+}
+
+#[cfg(target_os = "linux")]
+fn advise(from: usize, len: usize) -> bool {
+    #[expect(
+        unsafe_code,
+        reason = "madvise is a hint about pages the table owns; it changes no byte of them"
+    )]
+    // SAFETY: `from..from + len` lies inside one live allocation (the
+    // table's slots), page-aligned; MADV_HUGEPAGE only changes how the
+    // kernel backs those pages, never their contents.
+    let done = unsafe { libc::madvise(from as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+    done == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise(_from: usize, _len: usize) -> bool {
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn mixed(i: u64) -> u64 {
         i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 40)
+    }
+
+    /// The `VmFlags` of the mapping of this process that holds `addr`.
+    #[cfg(target_os = "linux")]
+    fn vm_flags_at(addr: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split(' ').next().and_then(|r| r.split_once('-'));
+            if let Some((from, to)) = range
+                && let (Ok(from), Ok(to)) = (
+                    usize::from_str_radix(from, 16),
+                    usize::from_str_radix(to, 16),
+                )
+            {
+                inside = (from..to).contains(&addr);
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.trim().to_owned());
+            }
+        }
+        None
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_large_table_asks_for_huge_pages_and_a_small_one_does_not() {
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists();
+        // 8 MiB of slots: at least 4 MiB of it 2 MiB-aligned.
+        let large = KeyTable::with_slots(1 << 20);
+        let at = (large.slots.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let flags = vm_flags_at(at).expect("the table's mapping");
+        assert_eq!(
+            flags.split(' ').any(|f| f == "hg"),
+            thp,
+            "VmFlags {flags:?} of the table's pages (THP in this kernel: {thp})"
+        );
+        assert_eq!(advise_huge_pages(&large.slots), thp);
+        // Below 4 MiB nothing is asked.
+        let small = KeyTable::with_slots(HUGE_PAGE_TABLE / 8 / 2);
+        assert!(!advise_huge_pages(&small.slots));
+        // The advice changes no slot: the large table works as any other.
+        let t = large;
+        for i in 0..10_000u64 {
+            t.insert(Probe::of(mixed(i)), i as u32);
+        }
+        assert_eq!(t.len(), 10_000);
     }
 
     #[test]
