@@ -152,44 +152,81 @@ const ID_CHUNK: usize = 256;
 /// across a lock release can only miss, never name another item). Ids live
 /// in chunks of [`ID_CHUNK`] slots; a chunk whose items were all freed is
 /// dropped, so a flood of names that is cleared leaves one empty pointer per
-/// 256 ids behind rather than a slot per id.
+/// 256 ids behind rather than a slot per id. A chunk owns its items
+/// (`Box`), or shares them with the clones of its list (`Arc`, see
+/// [`ChunkItems`]).
 #[derive(Debug, Clone)]
-pub(crate) struct IdList<T> {
-    chunks: Vec<Option<IdChunk<T>>>,
+pub(crate) struct IdList<T, C = Box<Items<T>>> {
+    chunks: Vec<Option<IdChunk<C>>>,
     next: u32,
+    item: std::marker::PhantomData<T>,
+}
+
+/// One chunk's item slots: a fixed array, so an item is one step from the
+/// chunk, with no length to check.
+pub(crate) type Items<T> = [Option<T>; ID_CHUNK];
+
+/// How a chunk holds its items: owned, or (`Arc`) shared by the clones of
+/// a list, so that a clone costs a reference per chunk and a change copies
+/// only the chunk it touches, and only while another clone holds it.
+pub(crate) trait ChunkItems<T>: std::ops::Deref<Target = Items<T>> {
+    fn empty() -> Self;
+    fn items_mut(&mut self) -> &mut Items<T>;
+}
+
+impl<T> ChunkItems<T> for Box<Items<T>> {
+    fn empty() -> Self {
+        (0..ID_CHUNK)
+            .map(|_| None)
+            .collect::<Box<[_]>>()
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("ID_CHUNK items"))
+    }
+
+    fn items_mut(&mut self) -> &mut Items<T> {
+        self
+    }
+}
+
+impl<T: Clone> ChunkItems<T> for Arc<Items<T>> {
+    fn empty() -> Self {
+        Arc::new(std::array::from_fn(|_| None))
+    }
+
+    fn items_mut(&mut self) -> &mut Items<T> {
+        Arc::make_mut(self)
+    }
 }
 
 #[derive(Debug, Clone)]
-struct IdChunk<T> {
-    /// A fixed array: an item is one step from the chunk, with no length
-    /// to check.
-    items: Box<[Option<T>; ID_CHUNK]>,
+struct IdChunk<C> {
+    items: C,
     live: u32,
 }
 
-impl<T> IdChunk<T> {
-    fn new() -> Self {
+impl<C> IdChunk<C> {
+    fn new<T>() -> Self
+    where
+        C: ChunkItems<T>,
+    {
         Self {
-            items: (0..ID_CHUNK)
-                .map(|_| None)
-                .collect::<Box<[_]>>()
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("ID_CHUNK items")),
+            items: C::empty(),
             live: 0,
         }
     }
 }
 
-impl<T> Default for IdList<T> {
+impl<T, C> Default for IdList<T, C> {
     fn default() -> Self {
         Self {
             chunks: Vec::new(),
             next: 0,
+            item: std::marker::PhantomData,
         }
     }
 }
 
-impl<T> IdList<T> {
+impl<T, C: ChunkItems<T>> IdList<T, C> {
     pub fn get(&self, id: u32) -> Option<&T> {
         let chunk = self.chunks.get(id as usize / ID_CHUNK)?.as_ref()?;
         chunk.items[id as usize % ID_CHUNK].as_ref()
@@ -197,7 +234,7 @@ impl<T> IdList<T> {
 
     fn get_mut(&mut self, id: u32) -> Option<&mut T> {
         let chunk = self.chunks.get_mut(id as usize / ID_CHUNK)?.as_mut()?;
-        chunk.items[id as usize % ID_CHUNK].as_mut()
+        chunk.items.items_mut()[id as usize % ID_CHUNK].as_mut()
     }
 
     /// The item under `id`, an id handed out elsewhere (another list's),
@@ -208,7 +245,7 @@ impl<T> IdList<T> {
             self.chunks.resize_with(c + 1, || None);
         }
         let chunk = self.chunks[c].get_or_insert_with(IdChunk::new);
-        let slot = &mut chunk.items[id as usize % ID_CHUNK];
+        let slot = &mut chunk.items.items_mut()[id as usize % ID_CHUNK];
         if slot.is_none() {
             chunk.live += 1;
         }
@@ -248,7 +285,7 @@ impl<T> IdList<T> {
             self.chunks.push(None);
         }
         let chunk = self.chunks[c].get_or_insert_with(IdChunk::new);
-        let slot = &mut chunk.items[id as usize % ID_CHUNK];
+        let slot = &mut chunk.items.items_mut()[id as usize % ID_CHUNK];
         if slot.is_none() {
             chunk.live += 1;
         }
@@ -261,7 +298,8 @@ impl<T> IdList<T> {
         let Some(Some(chunk)) = self.chunks.get_mut(c) else {
             return;
         };
-        if chunk.items[id as usize % ID_CHUNK].take().is_some() {
+        if chunk.items[id as usize % ID_CHUNK].is_some() {
+            chunk.items.items_mut()[id as usize % ID_CHUNK] = None;
             chunk.live -= 1;
         }
         // A chunk ids are still handed out from stays.
@@ -361,10 +399,12 @@ pub(crate) struct ReplicaName {
 /// whole list (its scores carry ids), not one to each name it lists: eight
 /// names' reference counts were 75 ns of a lookup here, and every worker
 /// thread shares those counts. A change while an answer still holds the
-/// list (a replica named for the first time, or freed) copies it first
-/// (24 bytes and a reference count per replica), and the answer keeps the
-/// names it was given.
-pub(crate) type ReplicaList = IdList<ReplicaName>;
+/// list (a replica named for the first time, or freed) copies the list's
+/// chunk pointers (one per 256 replicas) and the one chunk it changes, so
+/// the answer keeps the names it was given and a flood of new names costs
+/// each one a few thousand operations at a million names, not a copy of
+/// them all.
+pub(crate) type ReplicaList = IdList<ReplicaName, Arc<Items<ReplicaName>>>;
 
 impl ReplicaList {
     /// The name behind a replica id; `None` for an id it does not hold.
@@ -760,8 +800,47 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_shared_replica_list_copies_only_the_chunk_a_change_touches() {
+        let name = |i: u32| ReplicaName {
+            name: Arc::from(format!("r{i}")),
+            order: u64::from(i) + 1,
+        };
+        let mut list = ReplicaList::default();
+        for i in 0..1_000 {
+            list.push(name(i));
+        }
+        let held = list.clone();
+        let shared = |a: &ReplicaList, b: &ReplicaList, c: usize| match (&a.chunks[c], &b.chunks[c])
+        {
+            (Some(x), Some(y)) => Arc::ptr_eq(&x.items, &y.items),
+            _ => false,
+        };
+        assert!((0..list.chunks.len()).all(|c| shared(&list, &held, c)));
+        // A new name and a freed one, in two chunks: those two are copied,
+        // every other chunk is still the held list's.
+        let added = list.push(name(1_000));
+        list.remove(5);
+        assert_eq!(added as usize / ID_CHUNK, 3);
+        for c in 0..list.chunks.len() {
+            assert_eq!(shared(&list, &held, c), c != 0 && c != 3, "chunk {c}");
+        }
+        // The held list says what it said; the list itself has moved on.
+        assert_eq!(held.name(5), Some("r5"));
+        assert_eq!(held.name(added), None);
+        assert_eq!(list.name(5), None);
+        assert_eq!(list.name(added), Some("r1000"));
+        assert_eq!(list.name(999), Some("r999"));
+        // Unshared, a change copies nothing.
+        drop(held);
+        let before = list.chunks[1].as_ref().map(|c| Arc::as_ptr(&c.items));
+        list.remove(300);
+        let after = list.chunks[1].as_ref().map(|c| Arc::as_ptr(&c.items));
+        assert_eq!(before, after);
+    }
+
+    #[test]
     fn id_lists_never_reuse_ids_and_drop_emptied_chunks() {
-        let mut list = IdList::default();
+        let mut list: IdList<u32> = IdList::default();
         let ids: Vec<u32> = (0..1_000u32).map(|i| list.push(i * 10)).collect();
         assert_eq!(ids, (0..1_000).collect::<Vec<_>>());
         assert_eq!(list.get(999), Some(&9_990));
