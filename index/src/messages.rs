@@ -664,12 +664,12 @@ impl LookupOutcome {
 
     /// The ranked replicas' names, best first.
     pub fn replica_ids(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
-        self.scores.iter().map(|s| self.replica_id(s))
+        self.named_scores().map(|(name, _)| name)
     }
 
     /// The best replica's name and score, if it ranks any.
     pub fn top(&self) -> Option<(&str, &ReplicaScore)> {
-        self.scores.first().map(|s| (self.replica_id(s), s))
+        self.named_scores().next()
     }
 
     /// The scores with their replicas' names, best first.
@@ -699,44 +699,26 @@ impl LookupOutcome {
 /// (ids are one index's), scores, codes and echo.
 impl PartialEq for LookupOutcome {
     fn eq(&self, other: &Self) -> bool {
-        let same_score =
-            |((a_name, a), (b_name, b)): ((&str, &ReplicaScore), (&str, &ReplicaScore))| {
-                a_name == b_name
-                    && a.score == b.score
-                    && a.matched_tokens == b.matched_tokens
-                    && a.estimated_cache_hit_prob == b.estimated_cache_hit_prob
-                    && a.tier == b.tier
-            };
+        // A score without its id: everything else it says.
+        fn said<'a>((name, s): (&'a str, &ReplicaScore)) -> (&'a str, ReplicaScore) {
+            (name, ReplicaScore { replica: 0, ..*s })
+        }
         self.reason == other.reason
             && self.decision == other.decision
             && self.adapter_id == other.adapter_id
-            && self.scores.len() == other.scores.len()
             && self
                 .named_scores()
-                .zip(other.named_scores())
-                .all(same_score)
+                .map(said)
+                .eq(other.named_scores().map(said))
     }
 }
 
-/// Shows each score with its replica's name.
+/// Shows each score beside its replica's name.
 impl fmt::Debug for LookupOutcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        struct Named<'a>(&'a str, &'a ReplicaScore);
-        impl fmt::Debug for Named<'_> {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.debug_struct("ReplicaScore")
-                    .field("replica_id", &self.0)
-                    .field("score", &self.1.score)
-                    .field("matched_tokens", &self.1.matched_tokens)
-                    .field("estimated_cache_hit_prob", &self.1.estimated_cache_hit_prob)
-                    .field("tier", &self.1.tier)
-                    .finish()
-            }
-        }
-        let scores: Vec<Named<'_>> = self.named_scores().map(|(n, s)| Named(n, s)).collect();
         f.debug_struct("LookupOutcome")
             .field("reason", &self.reason)
-            .field("scores", &scores)
+            .field("scores", &self.named_scores().collect::<Vec<_>>())
             .field("adapter_id", &self.adapter_id)
             .field("decision", &self.decision)
             .finish()

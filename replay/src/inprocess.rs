@@ -98,7 +98,7 @@ impl Backend for InProcess {
             .map_or(0, |s| u64::try_from(s.matched_tokens).unwrap_or(0));
         let answer = Answer {
             reason: outcome.reason.as_str().to_owned(),
-            first: outcome.replica_ids().next().map(str::to_string),
+            first: outcome.top().map(|(name, _)| name.to_string()),
         };
         Ok((answer, matched))
     }

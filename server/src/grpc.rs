@@ -288,8 +288,8 @@ impl InferenceCache for CacheService {
             tenant = %request.tenant_id,
             reason = outcome.reason.as_str(),
             decision,
-            replica = outcome.replica_ids().next().unwrap_or(""),
-            matched_tokens = outcome.scores.first().map_or(0, |s| s.matched_tokens),
+            replica = outcome.top().map_or("", |(name, _)| name),
+            matched_tokens = outcome.top().map_or(0, |(_, s)| s.matched_tokens),
             "lookup answered"
         );
         self.metrics

@@ -249,9 +249,8 @@ pub fn route(
             | Reason::UnknownHashScheme => return PdAnswer::fail_open(outcome.reason),
             Reason::PrefixMatch => {
                 matched = outcome
-                    .replica_ids()
-                    .next()
-                    .map(str::to_string)
+                    .top()
+                    .map(|(name, _)| name.to_string())
                     .filter(|r| topology.prefill.contains(r));
             }
             _ => {}
