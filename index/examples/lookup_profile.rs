@@ -1,6 +1,6 @@
 //! A driver for instruction counts: ingests the table bench's workload
 //! (100,000 entries, `HOLDERS` replicas per chain, default 2), then runs
-//! 20,000 lookups of stored chains. Under callgrind, counting only the
+//! 20,000 lookups of stored chains (`ENTRIES` and `LOOKUPS` change both). Under callgrind, counting only the
 //! lookups (or only the ingest), the total divided by 20,000 lookups (or by
 //! the block reports, printed) is the instructions per lookup (per block) —
 //! figures that, unlike times, do not move with the machine's load. With
@@ -22,10 +22,13 @@ mod support;
 
 use std::hint::black_box;
 use std::sync::Arc;
+use std::time::Instant;
 
 use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, Reason, SystemClock};
 use support::Workload;
 
+/// Lookups run, unless `LOOKUPS` says otherwise (more for a sampling
+/// profiler than for an instruction count).
 const LOOKUPS: usize = 20_000;
 
 fn main() {
@@ -33,10 +36,18 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
-    let work = Workload::new(100_000, holders);
+    let lookups: usize = std::env::var("LOOKUPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(LOOKUPS);
+    let entries: usize = std::env::var("ENTRIES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
+    let work = Workload::new(entries, holders);
     if std::env::var("INDEX").is_ok_and(|v| v == "kv-index") {
         #[cfg(feature = "compare-kv-index")]
-        return kv_index(&work);
+        return kv_index(&work, lookups);
         #[cfg(not(feature = "compare-kv-index"))]
         panic!("INDEX=kv-index needs --features compare-kv-index");
     }
@@ -53,26 +64,34 @@ fn main() {
     let match_only = std::env::var("OP").is_ok_and(|v| v == "match");
     let mut c = 0usize;
     let mut hits = 0usize;
-    for _ in 0..LOOKUPS {
+    let mut samples = Vec::with_capacity(lookups);
+    for _ in 0..lookups {
         c = (c + 7919) % work.chains.len();
+        // A freshly decoded request is cache-hot, as in the table bench.
+        let decoded = work.block_chains[c].clone();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
-        request.chain = ChainInput::Wire(&work.block_chains[c]);
+        request.chain = ChainInput::Wire(&decoded);
+        let t = Instant::now();
         if match_only {
-            hits += usize::from(!black_box(index.match_chain(&request)).is_empty());
+            let found = black_box(index.match_chain(&request));
+            samples.push(t.elapsed().as_nanos() as u64);
+            hits += usize::from(!found.is_empty());
             continue;
         }
         let outcome = black_box(index.lookup(&request));
+        samples.push(t.elapsed().as_nanos() as u64);
         hits += usize::from(matches!(
             outcome.reason,
             Reason::PrefixMatch | Reason::AffinityHint
         ));
     }
-    assert_eq!(hits, LOOKUPS, "every lookup must find its chain");
-    println!("{reports} block reports, {LOOKUPS} lookups, {holders} holders per chain");
+    assert_eq!(hits, lookups, "every lookup must find its chain");
+    println!("{reports} block reports, {lookups} lookups, {holders} holders per chain");
+    print_times(&mut samples);
 }
 
 #[cfg(feature = "compare-kv-index")]
-fn kv_index(work: &Workload) {
+fn kv_index(work: &Workload, lookups: usize) {
     use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
     let index = ChainIndex::new();
     let workers: Vec<u32> = (0..support::REPLICAS)
@@ -108,13 +127,31 @@ fn kv_index(work: &Workload) {
         .map(|c| c.iter().map(|&h| ContentHash(h)).collect())
         .collect();
     let mut c = 0usize;
-    for _ in 0..LOOKUPS {
+    let mut samples = Vec::with_capacity(lookups);
+    for _ in 0..lookups {
         c = (c + 7919) % requests.len();
-        let scores = black_box(index.find_matches(&requests[c], false));
+        let decoded = requests[c].clone();
+        let t = Instant::now();
+        let scores = black_box(index.find_matches(&decoded, false));
+        samples.push(t.elapsed().as_nanos() as u64);
         assert!(
             !scores.scores.is_empty(),
             "every lookup must find its chain"
         );
     }
-    println!("kv-index: {reports} block reports, {LOOKUPS} lookups");
+    println!("kv-index: {reports} block reports, {lookups} lookups");
+    print_times(&mut samples);
+}
+
+/// Lookup time percentiles (each lookup timed alone, as in the table bench;
+/// outside what callgrind counts).
+fn print_times(samples: &mut [u64]) {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    println!(
+        "lookup p50 {} ns, p90 {} ns, p99 {} ns",
+        at(0.5),
+        at(0.9),
+        at(0.99)
+    );
 }

@@ -450,10 +450,10 @@ impl CacheIndex {
         // worked out while it is under way.
         let reader = self.store.reader();
         let first = match (at.part, admitted.chain) {
-            (Some(p), Some(c)) => Some(Key::new(p, c.hashes.hash(0))),
+            (Some(p), Some(c)) => Some((p, c, Key::new(p, c.hashes.hash(0)))),
             _ => None,
         };
-        if let Some(key) = &first {
+        if let Some((_, _, key)) = &first {
             reader.touch(key);
         }
         let mut serving = Serving::new();
@@ -471,12 +471,25 @@ impl CacheIndex {
         // members' loads (the cost-aware ranker reads every member's load
         // once, for the ranking and for the fallback alike) are read while
         // that miss is under way.
-        if let Some(key) = &first {
-            reader.touch_run(key);
-        }
+        // Where the request likely leaves that run is known before its body
+        // arrives: start those blocks' key-table misses too, and once the
+        // loads are read (they have likely arrived), their runs' directory
+        // slots.
+        let ahead = first.as_ref().map(|(p, c, key)| {
+            let ahead = reader.touch_run(key);
+            let keys = [ahead.branch, ahead.end]
+                .map(|k| (k > 0 && k < c.hashes.len()).then(|| Key::new(*p, c.hashes.hash(k))));
+            for key in keys.iter().flatten() {
+                reader.touch(key);
+            }
+            keys
+        });
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
             loads.get(self, &scene.ctx, scene.serving);
+        }
+        for key in ahead.iter().flatten().flatten() {
+            reader.touch_slot(key);
         }
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, &mut cands);
@@ -526,7 +539,7 @@ impl CacheIndex {
             return Vec::new();
         };
         let mut cands = Candidates::new();
-        walk_chain(&self.store.reader(), part, chain, &mut cands);
+        walk_chain(&self.store.reader(), part, chain, &mut cands, |_| {});
         cands
             .as_slice()
             .iter()
@@ -559,21 +572,21 @@ impl CacheIndex {
     ) -> Matched {
         let Scene { req, admitted, .. } = scene;
         let chain = admitted.chain;
+        // The cost-aware ranker counts where the deepest match ends: the
+        // walk starts that counter's miss wherever the request's match with
+        // the runs it passes ends so far (the last is nearly always the
+        // deepest holder's end), so it is under way while the walk goes on.
+        let reuse = &scene.fleet.reuse;
+        let cost_aware = scene.ctx.policy.ranker == Ranker::CostAware;
         let mut matched = match (scene.at.part, chain) {
-            (Some(p), Some(c)) => walk_chain(reader, p, c, cands),
+            (Some(p), Some(c)) => walk_chain(reader, p, c, cands, |end| {
+                if cost_aware {
+                    reuse.prefetch(c.hashes.get(end - 1));
+                }
+            }),
             (Some(p), None) => self.match_exact(p, req.prefix_hash, req.prefix_token_count, cands),
             (None, _) => Matched::Miss,
         };
-        // The cost-aware ranker counts where the deepest match ends: start
-        // that counter's miss now.
-        if scene.ctx.policy.ranker == Ranker::CostAware
-            && let Some(c) = chain
-        {
-            let deepest = cands.as_slice().iter().map(|c| c.blocks).max();
-            if let Some(d) = deepest.filter(|&d| d > 0 && d as usize <= c.hashes.len()) {
-                scene.fleet.reuse.prefetch(c.hashes.get(d as usize - 1));
-            }
-        }
         // A replica that left or went silent is never named, and its
         // entries stop counting.
         cands.retain_live(scene.serving);
@@ -976,11 +989,14 @@ impl CacheIndex {
 /// Matches a chain in a partition: every holder of block 0 becomes a
 /// candidate with the length, tokens, oldest last-seen and coldest tier
 /// of its leading run of held blocks. Lock-free; see the `store` module.
+/// `matched_to` hears, run by run, how many leading blocks of the request
+/// the runs passed so far hold (at least one), before their cells are read.
 fn walk_chain(
     reader: &Reader<'_>,
     part: PartitionId,
     chain: Chain<'_>,
     cands: &mut Candidates,
+    mut matched_to: impl FnMut(usize),
 ) -> Matched {
     let n = chain.hashes.len();
     let counts = &chain.token_counts[..];
@@ -1007,6 +1023,7 @@ fn walk_chain(
         }
         // How far the request follows this run: one compare per block.
         let m = body.follow(pos, len, &chain.hashes, i);
+        matched_to(i + m);
         // Where the request leaves the run it continues through another
         // one: start that run's body and first data line now (its key-table
         // slot was asked for above), so their misses are under way while
@@ -1014,7 +1031,14 @@ fn walk_chain(
         // compares); it is located after.
         let next_key = (i + m < n).then(|| Key::new(part, chain.hashes.hash(i + m)));
         if let Some(key) = &next_key {
-            reader.touch_run(key);
+            // And the key-table misses where the request would leave that
+            // run.
+            let ahead = reader.touch_run(key);
+            for k in [ahead.branch, ahead.end] {
+                if k > 0 && i + m + k < n {
+                    reader.touch(&Key::new(part, chain.hashes.hash(i + m + k)));
+                }
+            }
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.

@@ -352,44 +352,98 @@ type WideBytes = Box<[OnceLock<Box<[u8]>>]>;
 /// One chunk of the run directory.
 type RunChunk = Box<[RunSlot]>;
 
-/// A run's directory slot: its published body and, beside it, where that
-/// body's data words start. The second is a hint for prefetching only,
-/// never read through: a reader that has the slot starts the body's miss
-/// and the miss on the data line it compares first together, instead of
-/// the second only once the body has arrived (one dependent miss less per
-/// run a lookup enters).
+/// A run's directory slot: its published body and, beside it, a hint
+/// word: where that body's data words start (the low 48 bits), the last
+/// position where a report that held the positions before it went on
+/// elsewhere (a *branch*: the end of a shared system prompt, say; bits 48
+/// to 55, 0 for none) and how many positions the body had published when
+/// the hint was last written (the top 8). The hint is for prefetching
+/// only, never read through: a reader that has the slot starts the body's
+/// miss and the miss on the data line it compares first together, instead
+/// of the second only once the body has arrived, and knows where a request
+/// is likely to leave the run (its branch or its end), so it starts the
+/// key-table misses of those blocks before the body arrives (one dependent
+/// miss less per run a lookup enters, and one more overlapped per run it
+/// goes on to). An address past 48 bits (only where a program asks for
+/// one under five-level paging) makes the data prefetch miss its line.
 struct RunSlot {
     body: Published<Body>,
-    words: AtomicPtr<AtomicU64>,
+    hint: AtomicU64,
+}
+
+/// Bits of a [`RunSlot`] hint that hold the data's address.
+const HINT_ADDRESS: u64 = (1 << 48) - 1;
+/// Bits of a [`RunSlot`] hint that hold the branch position.
+const HINT_BRANCH: u64 = 0xFF << 48;
+
+/// Where a request that reaches a run at some position is likely to leave
+/// it, in blocks from that position (0: no such place).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Ahead {
+    /// To the run's last known branch past the position.
+    pub branch: usize,
+    /// To the run's end.
+    pub end: usize,
 }
 
 impl RunSlot {
     fn empty() -> Self {
         Self {
             body: Published::empty(),
-            words: AtomicPtr::new(std::ptr::null_mut()),
+            hint: AtomicU64::new(0),
         }
     }
 
-    /// Publishes `body` (see [`Published::swap`]) and its data's address.
+    /// Publishes `body` (see [`Published::swap`]) and its hint; a body
+    /// that replaces another of the run keeps the run's branch.
     fn swap(&self, body: Option<Arc<Body>>) -> Option<Arc<Body>> {
-        let words = body
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |b| b.data.words.as_ptr().cast_mut());
-        self.words.store(words, Ordering::Relaxed);
+        let branch = self.hint.load(Ordering::Relaxed) & HINT_BRANCH;
+        let hint = body.as_ref().map_or(0, |b| {
+            let words = b.data.words.as_ptr() as u64 & HINT_ADDRESS;
+            words | branch | (b.len() as u64) << 56
+        });
+        self.hint.store(hint, Ordering::Relaxed);
         self.body.swap(body)
     }
 
+    /// Notes that the body now publishes `len` positions.
+    fn hint_len(&self, len: usize) {
+        let rest = self.hint.load(Ordering::Relaxed) & !(0xFF << 56);
+        self.hint
+            .store(rest | (len as u64) << 56, Ordering::Relaxed);
+    }
+
+    /// Notes that a report went on elsewhere after position `pos - 1`.
+    fn hint_branch(&self, pos: usize) {
+        let hint = self.hint.load(Ordering::Relaxed);
+        let next = (hint & !HINT_BRANCH) | (pos as u64) << 48;
+        if next != hint {
+            self.hint.store(next, Ordering::Relaxed);
+        }
+    }
+
+    /// The data's address the hint names.
+    fn hinted_words(&self) -> *const AtomicU64 {
+        (self.hint.load(Ordering::Relaxed) & HINT_ADDRESS) as usize as *const AtomicU64
+    }
+
     /// Starts the misses on the body and on the data line of position
-    /// `pos` (whatever body the slot holds by then: a hint).
-    fn touch(&self, pos: usize) {
+    /// `pos` (whatever body the slot holds by then: a hint), and says where
+    /// a request that reached `pos` would leave the run.
+    fn touch(&self, pos: usize) -> Ahead {
         prefetch_ptr(self.body.ptr.load(Ordering::Relaxed));
-        self.touch_words(pos);
+        let hint = self.hint.load(Ordering::Relaxed);
+        let words = (hint & HINT_ADDRESS) as usize as *const AtomicU64;
+        prefetch_ptr(words.wrapping_add(HEAD + pos));
+        Ahead {
+            branch: (((hint & HINT_BRANCH) >> 48) as usize).saturating_sub(pos),
+            end: ((hint >> 56) as usize).saturating_sub(pos),
+        }
     }
 
     /// Starts the miss on the data line of position `pos`'s hash.
     fn touch_words(&self, pos: usize) {
-        prefetch_ptr(self.words.load(Ordering::Relaxed).wrapping_add(HEAD + pos));
+        prefetch_ptr(self.hinted_words().wrapping_add(HEAD + pos));
     }
 }
 
@@ -1257,12 +1311,30 @@ impl Reader<'_> {
     /// Starts loading the body of the run the key's slot names (the first
     /// one under its tag, unchecked: a hint) and the data line of the key's
     /// position, so that a [`locate`](Self::locate) soon after finds both
-    /// in cache.
-    pub fn touch_run(&self, key: &Key<'_>) {
+    /// in cache. Returns where a request that reaches the run at the key
+    /// is likely to leave it (by the directory's hint; nothing when the key
+    /// is not found), so that the caller can start those blocks' key-table
+    /// misses too.
+    pub fn touch_run(&self, key: &Key<'_>) -> Ahead {
+        let mut ahead = Ahead::default();
         self.table().find(key.probe, |loc| {
             let (run, pos) = split(loc);
             if let Some(slot) = self.store.runs.get(run) {
-                slot.touch(pos);
+                ahead = slot.touch(pos);
+            }
+            true
+        });
+        ahead
+    }
+
+    /// Starts loading the directory slot of the run the key's table slot
+    /// names (a hint, as [`touch_run`](Self::touch_run)): for a key whose
+    /// table slot was asked for earlier and has likely arrived, so that a
+    /// `touch_run` of it soon after finds both.
+    pub fn touch_slot(&self, key: &Key<'_>) {
+        self.table().find(key.probe, |loc| {
+            if let Some(slot) = self.store.runs.get(split(loc).0) {
+                prefetch(slot);
             }
             true
         });
@@ -1573,6 +1645,11 @@ impl Writing<'_> {
             return 1;
         };
         let n = 1 + blocks.held_from(first + 1, body, pos + 1, body.len());
+        // The report leaves the run inside it: a later request that shares
+        // this report's head likely leaves it there too.
+        if first + n < blocks.len() && pos + n < body.len() {
+            self.store.runs.slot(run).hint_branch(pos + n);
+        }
         // The block after the stretch is searched for next (a shared head
         // ends, a private tail begins): start its miss before the claim.
         if first + n < blocks.len() {
@@ -1873,6 +1950,7 @@ impl Writing<'_> {
         // The prefix was left as it was while the cells were added (true,
         // if short); it takes them in now.
         data.join_prefix(slot, start, pos + 1, claim.last_seen, claim.tier);
+        self.store.runs.slot(run).hint_len(pos + 1);
         self.w.live[run as usize] += added as u32;
         self.w.entries += added as u64;
         h.room -= added as i64;
@@ -2544,9 +2622,13 @@ mod tests {
             let Some(slot) = store.runs.get(run) else {
                 continue;
             };
-            let hint = slot.words.load(Ordering::Relaxed).cast_const();
+            let hint = slot.hinted_words();
+            let len = (slot.hint.load(Ordering::Relaxed) >> 56) as usize;
             match slot.body.load(&pin) {
-                Some(body) => assert_eq!(hint, body.data.words.as_ptr(), "run {run}"),
+                Some(body) => {
+                    assert_eq!(hint, body.data.words.as_ptr(), "run {run}");
+                    assert_eq!(len, body.len(), "run {run}'s length hint");
+                }
                 None => assert!(hint.is_null(), "freed run {run} keeps a hint"),
             }
         }
@@ -2571,6 +2653,40 @@ mod tests {
             assert_hints_follow_bodies(&store);
         }
         assert_eq!(held(&store, 0, 500..530, 9), vec![true; 30]);
+    }
+
+    #[test]
+    fn a_run_hints_where_requests_leave_it() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        let key = |k: u64| Key::new(0, HashRef::Narrow(k));
+        // One report of 40 blocks: one run, nowhere to branch yet.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        let ahead = store.reader().touch_run(&key(0));
+        assert_eq!((ahead.branch, ahead.end), (0, 40));
+        // Another shares its first 16 blocks, then goes on elsewhere.
+        let mut other = keys(0, 0..16);
+        other.extend(keys(0, 100..120));
+        store.write().hold(0, &other[..], claim(2, 5), &mut h);
+        let ahead = store.reader().touch_run(&key(0));
+        assert_eq!((ahead.branch, ahead.end), (16, 40));
+        // From inside the run both count from the key's position; past the
+        // branch only the end is ahead.
+        let ahead = store.reader().touch_run(&key(10));
+        assert_eq!((ahead.branch, ahead.end), (6, 30));
+        let ahead = store.reader().touch_run(&key(20));
+        assert_eq!((ahead.branch, ahead.end), (0, 20));
+        // A new holder's row rebuilds the body: the branch stays.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(3, 5), &mut h);
+        assert_hints_follow_bodies(&store);
+        assert_eq!(store.reader().touch_run(&key(0)).branch, 16);
+        // A key the table lacks: nothing ahead.
+        let ahead = store.reader().touch_run(&key(999));
+        assert_eq!((ahead.branch, ahead.end), (0, 0));
     }
 
     #[test]
