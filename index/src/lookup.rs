@@ -36,13 +36,13 @@ use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
-    BlockChain, Chain, ChainInput, Decision, HolderMatch, LookupOutcome, LookupRequest,
-    PROBE_TENANT, Reason, ReplicaScore, Tier,
+    BlockChain, BlockHashes, Chain, ChainInput, Decision, HolderMatch, LookupOutcome,
+    LookupRequest, PROBE_TENANT, Reason, ReplicaScore, Tier,
 };
 use crate::policy::{AffinityAlgorithm, CachePolicy, Eviction, Ranker};
 use smallvec::SmallVec;
 
-use crate::store::{Key, Reader, Stretch};
+use crate::store::{Ahead, Key, Reader, Stretch};
 
 const INLINE: usize = 16;
 
@@ -472,27 +472,17 @@ impl CacheIndex {
         // once, for the ranking and for the fallback alike) are read while
         // that miss is under way.
         // Where the request likely leaves that run is known before its body
-        // arrives: start those blocks' key-table misses too, and once the
-        // loads are read (they have likely arrived), their runs' directory
-        // slots.
-        let ahead = first.as_ref().map(|(p, c, key)| {
-            let ahead = reader.touch_run(key);
-            let keys = [ahead.branch, ahead.end]
-                .map(|k| (k > 0 && k < c.hashes.len()).then(|| Key::new(*p, c.hashes.hash(k))));
-            for key in keys.iter().flatten() {
-                reader.touch(key);
-            }
-            keys
+        // arrives: start those blocks' key-table misses too (the walk starts
+        // their runs' directory slots once the loads are read).
+        let leaving = first.as_ref().map_or([None, None], |(p, c, key)| {
+            leaving_keys(&reader, *p, &c.hashes, 0, reader.touch_run(key))
         });
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
             loads.get(self, &scene.ctx, scene.serving);
         }
-        for key in ahead.iter().flatten().flatten() {
-            reader.touch_slot(key);
-        }
         let mut cands = Candidates::new();
-        let matched = self.find_holders(&scene, &reader, &mut cands);
+        let matched = self.find_holders(&scene, &reader, leaving, &mut cands);
         let missed = matches!(matched, Matched::Miss);
         let ranked = self.rank(&scene, matched, &mut cands, &mut loads);
         let (decision, ranked) = decide(&scene, ranked, cands.as_slice(), missed);
@@ -539,7 +529,14 @@ impl CacheIndex {
             return Vec::new();
         };
         let mut cands = Candidates::new();
-        walk_chain(&self.store.reader(), part, chain, &mut cands, |_| {});
+        walk_chain(
+            &self.store.reader(),
+            part,
+            chain,
+            [None, None],
+            &mut cands,
+            |_| {},
+        );
         cands
             .as_slice()
             .iter()
@@ -564,10 +561,11 @@ impl CacheIndex {
 
     /// Matching: every live holder of the chain's leading blocks (or of the
     /// exact key) becomes a candidate.
-    fn find_holders(
+    fn find_holders<'k>(
         &self,
         scene: &Scene<'_, '_>,
         reader: &Reader<'_>,
+        leaving: [Option<Key<'k>>; 2],
         cands: &mut Candidates,
     ) -> Matched {
         let Scene { req, admitted, .. } = scene;
@@ -579,7 +577,7 @@ impl CacheIndex {
         let reuse = &scene.fleet.reuse;
         let cost_aware = scene.ctx.policy.ranker == Ranker::CostAware;
         let mut matched = match (scene.at.part, chain) {
-            (Some(p), Some(c)) => walk_chain(reader, p, c, cands, |end| {
+            (Some(p), Some(c)) => walk_chain(reader, p, c, leaving, cands, |end| {
                 if cost_aware {
                     reuse.prefetch(c.hashes.get(end - 1));
                 }
@@ -989,23 +987,40 @@ impl CacheIndex {
 /// Matches a chain in a partition: every holder of block 0 becomes a
 /// candidate with the length, tokens, oldest last-seen and coldest tier
 /// of its leading run of held blocks. Lock-free; see the `store` module.
+/// `leaving` are the keys where the request likely leaves the first run,
+/// whose key-table slots the caller asked for (see [`leaving_keys`]).
 /// `matched_to` hears, run by run, how many leading blocks of the request
 /// the runs passed so far hold (at least one), before their cells are read.
-fn walk_chain(
+fn walk_chain<'c>(
     reader: &Reader<'_>,
     part: PartitionId,
-    chain: Chain<'_>,
+    chain: Chain<'c>,
+    mut leaving: [Option<Key<'c>>; 2],
     cands: &mut Candidates,
     mut matched_to: impl FnMut(usize),
 ) -> Matched {
     let n = chain.hashes.len();
     let counts = &chain.token_counts[..];
+    // Each run's dependent misses (key-table slot, directory slot, body and
+    // data) are started a stage apart: where the request likely leaves a
+    // run, its table slots when the run is entered, their directory slots
+    // as the run's compares start, the next run's body once the request's
+    // way out is known, before this run's cells are read.
+    let touch_leaving = |leaving: &[Option<Key<'_>>; 2]| {
+        for key in leaving.iter().flatten() {
+            reader.touch_slot(key);
+        }
+    };
+    touch_leaving(&leaving);
     let Some((mut body, mut pos)) = reader.locate(part, &Key::new(part, chain.hashes.hash(0)))
     else {
         return Matched::Miss;
     };
     let mut i = 0;
     loop {
+        if i > 0 {
+            touch_leaving(&leaving);
+        }
         // Start the misses on the candidates' cells now, so they overlap
         // the compares below (a later run had them started when it was
         // found).
@@ -1033,12 +1048,7 @@ fn walk_chain(
         if let Some(key) = &next_key {
             // And the key-table misses where the request would leave that
             // run.
-            let ahead = reader.touch_run(key);
-            for k in [ahead.branch, ahead.end] {
-                if k > 0 && i + m + k < n {
-                    reader.touch(&Key::new(part, chain.hashes.hash(i + m + k)));
-                }
-            }
+            leaving = leaving_keys(reader, part, &chain.hashes, i + m, reader.touch_run(key));
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
@@ -1095,6 +1105,26 @@ fn walk_chain(
             None => return Matched::Hits,
         }
     }
+}
+
+/// The keys of the blocks where a request that reached a run at block `at`
+/// likely leaves it (by [`Ahead`], the run's hint), their key-table misses
+/// started.
+fn leaving_keys<'c>(
+    reader: &Reader<'_>,
+    part: PartitionId,
+    hashes: &'c BlockHashes,
+    at: usize,
+    ahead: Ahead,
+) -> [Option<Key<'c>>; 2] {
+    [ahead.branch, ahead.end].map(|k| {
+        let block = at + k;
+        (k > 0 && block < hashes.len()).then(|| {
+            let key = Key::new(part, hashes.hash(block));
+            reader.touch(&key);
+            key
+        })
+    })
 }
 
 /// The request's token counts over one stretch of a run, and their sum.
