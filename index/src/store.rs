@@ -314,36 +314,49 @@ impl Cell {
 }
 
 /// What a row slot's leading cells have in common, so that a lookup over
-/// them reads one cell instead of every one: positions `0..len` are all
-/// held, at one tier, with last-seen seconds that never decrease along the
-/// run — so the oldest of any stretch inside is its first cell. Reports
-/// arrive in chain order and later ones are never older, so appends and
-/// in-order refreshes keep or rebuild the prefix; anything else shortens
-/// it and the cells past it are read one by one. The version changes on
-/// every shortening, so a reader that sees the same word before and after
-/// reading that first cell knows the cell belongs to the prefix it saw.
-/// Layout: bits 0–7 length, 8–15 tier, 16–63 version.
+/// them reads one cell instead of every one, and none when it starts at
+/// the run's first position: positions `0..len` are all held, at one tier,
+/// with last-seen seconds that never decrease along the run — so the oldest
+/// of any stretch inside is its first cell, and the word keeps position
+/// 0's second itself. Reports arrive in chain order and later ones are
+/// never older, so appends and in-order refreshes keep or rebuild the
+/// prefix; anything else shortens it and the cells past it are read one by
+/// one. The version changes on every shortening, so a reader that sees the
+/// same word before and after reading a stretch's first cell knows the
+/// cell belongs to the prefix it saw (a reader would have to be held up
+/// for 2^17 shortenings of one row between its two loads to be misled).
+/// Layout: bits 0–6 length, 7–14 tier, 15–31 version, 32–63 position 0's
+/// last-seen second (0 while the length is 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Prefix(u64);
 
+const PREFIX_LEN: u64 = 0x7F;
+const PREFIX_VERSION: u64 = 0x1_FFFF << 15;
+
 impl Prefix {
     fn len(self) -> usize {
-        (self.0 & 0xFF) as usize
+        (self.0 & PREFIX_LEN) as usize
     }
 
     fn tier(self) -> u8 {
-        (self.0 >> 8) as u8
+        (self.0 >> 7) as u8
+    }
+
+    /// Position 0's last-seen second.
+    fn first_seen(self) -> u32 {
+        (self.0 >> 32) as u32
     }
 
     /// Shortened to `len`, with a new version.
     fn cut(self, len: usize) -> Self {
-        let version = (self.0 >> 16).wrapping_add(1);
-        Self((version << 16) | (self.0 & 0xFF00) | len as u64)
+        let version = (self.0 + (1 << 15)) & PREFIX_VERSION;
+        Self((self.0 & !(PREFIX_VERSION | PREFIX_LEN)) | version | len as u64)
     }
 
-    /// Lengthened to `len` at `tier` (same version).
-    fn grown(self, len: usize, tier: u8) -> Self {
-        Self((self.0 & !0xFFFF) | (u64::from(tier) << 8) | len as u64)
+    /// Lengthened to `len` at `tier`, position 0 seen at `first` (same
+    /// version).
+    fn grown(self, len: usize, tier: u8, first: u32) -> Self {
+        Self(u64::from(first) << 32 | (self.0 & PREFIX_VERSION) | u64::from(tier) << 7 | len as u64)
     }
 }
 
@@ -652,6 +665,8 @@ impl RunData {
         // A cell at the prefix's end may lengthen it.
         if pos == n {
             grow_prefix(cells, word);
+        } else if pos == 0 {
+            refresh_first(cells, word);
         }
     }
 
@@ -702,6 +717,9 @@ impl RunData {
             c.store(Cell::new(last_seen, tier, access).0, Ordering::Release);
         }
         self.join_prefix(slot, from, to, last_seen, tier);
+        if from == 0 {
+            refresh_first(cells, word);
+        }
     }
 
     /// Lengthens slot `slot`'s prefix over cells `from..to`, just written
@@ -802,8 +820,26 @@ fn extend_over(
         n += 1;
     }
     if n != prefix.len() {
+        let first = match n {
+            0 => 0,
+            _ => Cell(cells[0].load(Ordering::Relaxed)).last_seen(),
+        };
         // `Release`: the cells it covers were written before.
-        word.store(prefix.grown(n, tier).0, Ordering::Release);
+        word.store(prefix.grown(n, tier, first).0, Ordering::Release);
+    }
+}
+
+/// Keeps the prefix word's copy of position 0's second true after position
+/// 0 was written under a prefix that the write kept (writer only).
+fn refresh_first(cells: &[AtomicU64], word: &AtomicU64) {
+    let prefix = Prefix(word.load(Ordering::Relaxed));
+    if prefix.len() > 0 {
+        let first = Cell(cells[0].load(Ordering::Relaxed)).last_seen();
+        if first != prefix.first_seen() {
+            // `Release`: after the cell, as every prefix word.
+            let next = prefix.grown(prefix.len(), prefix.tier(), first);
+            word.store(next.0, Ordering::Release);
+        }
     }
 }
 
@@ -944,12 +980,22 @@ impl Body {
         let word = self.data.prefix(slot);
         let prefix = Prefix(word.load(Ordering::Acquire));
         if from < prefix.len() && from < to {
-            let first = Cell(self.data.cell(slot, from).load(Ordering::Acquire));
-            if Prefix(word.load(Ordering::Relaxed)) == prefix {
+            // From position 0 the word alone tells; further on, the first
+            // cell does, if the prefix is still the one seen.
+            let (oldest, kept) = if from == 0 {
+                (prefix.first_seen(), true)
+            } else {
+                let first = Cell(self.data.cell(slot, from).load(Ordering::Acquire));
+                (
+                    first.last_seen(),
+                    Prefix(word.load(Ordering::Relaxed)) == prefix,
+                )
+            };
+            if kept {
                 let end = to.min(prefix.len());
                 let known = Stretch {
                     blocks: end - from,
-                    oldest: first.last_seen(),
+                    oldest,
                     tier: prefix.tier(),
                     ended: false,
                 };
@@ -1068,16 +1114,21 @@ impl Body {
         m
     }
 
-    /// Starts loading the first cells from `pos` of the first rows and the
-    /// hashes from `pos` on, so that their misses are under way together
-    /// while the caller compares hashes.
+    /// Starts loading the rows' prefix words, the first cells from `pos` of
+    /// the first rows (none from position 0) and the hashes from `pos` on,
+    /// so that their misses are under way together while the caller
+    /// compares hashes.
     pub fn touch_cells(&self, pos: usize) {
         let len = self.len();
         if let Some(row) = self.rows.first() {
             prefetch(self.data.prefix(row.slot as usize));
         }
-        for row in self.rows.iter().take(8) {
-            prefetch(self.data.cell(row.slot as usize, pos));
+        // From position 0 a row's prefix word holds what its first cell
+        // would tell.
+        if pos > 0 {
+            for row in self.rows.iter().take(8) {
+                prefetch(self.data.cell(row.slot as usize, pos));
+            }
         }
         let mut at = pos;
         while at < len {
@@ -2509,6 +2560,46 @@ mod tests {
                 "{from}..{to}"
             );
         }
+    }
+
+    #[test]
+    fn the_prefix_word_keeps_position_zeros_second() {
+        let store = Store::default();
+        let report = |range: std::ops::Range<u64>, at: u32| {
+            store
+                .write()
+                .hold(0, &keys(0, range)[..], claim(7, at), &mut holding(1000));
+        };
+        let stretch = |from: usize, to: usize| {
+            let reader = store.reader();
+            let (body, pos) = located(&reader, 0, 0);
+            let row = body.rows()[body.row(7).expect("a row")];
+            let fast = body.row_stretch(row, pos + from, pos + to);
+            let slow = body.scan_stretch(row.slot as usize, pos + from, pos + to);
+            assert_eq!(
+                (fast.blocks, fast.oldest, fast.tier, fast.ended),
+                (slow.blocks, slow.oldest, slow.tier, slow.ended),
+                "{from}..{to}: through the word and cell by cell"
+            );
+            (fast.blocks, fast.oldest)
+        };
+        report(0..3, 10);
+        assert_eq!(stretch(0, 3), (3, 10));
+        // The blocks after the first refreshed later: still in order.
+        report(1..3, 20);
+        assert_eq!(prefix_len(&store, 0, 0, 7), 3);
+        assert_eq!(stretch(0, 3), (3, 10));
+        // The first block alone, at the second the others were seen: the
+        // prefix stays, and so must the word's copy of position 0's second.
+        report(0..1, 20);
+        assert_eq!(prefix_len(&store, 0, 0, 7), 3);
+        assert_eq!(stretch(0, 3), (3, 20));
+        assert_eq!(stretch(0, 1), (1, 20));
+        // A newer first block breaks the order: the prefix is cut and
+        // rebuilt from it.
+        report(0..1, 30);
+        assert_eq!(stretch(0, 3), (3, 20));
+        assert_eq!(stretch(0, 1), (1, 30));
     }
 
     #[test]
