@@ -474,8 +474,8 @@ impl CacheIndex {
         // Where the request likely leaves that run is known before its body
         // arrives: start those blocks' key-table misses too (the walk starts
         // their runs' directory slots once the loads are read).
-        let leaving = first.as_ref().map_or([None, None], |(p, c, key)| {
-            leaving_keys(&reader, *p, &c.hashes, 0, reader.touch_run(key))
+        let leaving = first.as_ref().map_or(Leaving::NONE, |(p, c, key)| {
+            Leaving::of(&reader, *p, &c.hashes, 0, reader.touch_run(key))
         });
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
@@ -533,7 +533,7 @@ impl CacheIndex {
             &self.store.reader(),
             part,
             chain,
-            [None, None],
+            Leaving::NONE,
             &mut cands,
             |_| {},
         );
@@ -565,7 +565,7 @@ impl CacheIndex {
         &self,
         scene: &Scene<'_, '_>,
         reader: &Reader<'_>,
-        leaving: [Option<Key<'k>>; 2],
+        leaving: Leaving<'k>,
         cands: &mut Candidates,
     ) -> Matched {
         let Scene { req, admitted, .. } = scene;
@@ -987,15 +987,15 @@ impl CacheIndex {
 /// Matches a chain in a partition: every holder of block 0 becomes a
 /// candidate with the length, tokens, oldest last-seen and coldest tier
 /// of its leading run of held blocks. Lock-free; see the `store` module.
-/// `leaving` are the keys where the request likely leaves the first run,
-/// whose key-table slots the caller asked for (see [`leaving_keys`]).
+/// `leaving` says where the request likely leaves the first run, whose
+/// key-table slots the caller asked for (see [`Leaving::of`]).
 /// `matched_to` hears, run by run, how many leading blocks of the request
 /// the runs passed so far hold (at least one), before their cells are read.
 fn walk_chain<'c>(
     reader: &Reader<'_>,
     part: PartitionId,
     chain: Chain<'c>,
-    mut leaving: [Option<Key<'c>>; 2],
+    mut leaving: Leaving<'c>,
     cands: &mut Candidates,
     mut matched_to: impl FnMut(usize),
 ) -> Matched {
@@ -1006,8 +1006,8 @@ fn walk_chain<'c>(
     // run, its table slots when the run is entered, their directory slots
     // as the run's compares start, the next run's body once the request's
     // way out is known, before this run's cells are read.
-    let touch_leaving = |leaving: &[Option<Key<'_>>; 2]| {
-        for key in leaving.iter().flatten() {
+    let touch_leaving = |leaving: &Leaving<'_>| {
+        for key in leaving.keys.iter().flatten() {
             reader.touch_slot(key);
         }
     };
@@ -1026,7 +1026,7 @@ fn walk_chain<'c>(
         // found).
         let len = body.len();
         if i == 0 {
-            body.touch_cells(pos);
+            body.touch_cells(pos, leaving.branch);
         }
         // A request that follows this run to its end goes on at block
         // `end`: start that block's key-table miss now, so that it overlaps
@@ -1048,7 +1048,7 @@ fn walk_chain<'c>(
         if let Some(key) = &next_key {
             // And the key-table misses where the request would leave that
             // run.
-            leaving = leaving_keys(reader, part, &chain.hashes, i + m, reader.touch_run(key));
+            leaving = Leaving::of(reader, part, &chain.hashes, i + m, reader.touch_run(key));
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
@@ -1099,7 +1099,7 @@ fn walk_chain<'c>(
             .and_then(|key| reader.locate(part, &key));
         match next {
             Some((b, p)) => {
-                b.touch_cells(p);
+                b.touch_cells(p, leaving.branch);
                 (body, pos) = (b, p);
             }
             None => return Matched::Hits,
@@ -1107,24 +1107,44 @@ fn walk_chain<'c>(
     }
 }
 
-/// The keys of the blocks where a request that reached a run at block `at`
-/// likely leaves it (by [`Ahead`], the run's hint), their key-table misses
-/// started.
-fn leaving_keys<'c>(
-    reader: &Reader<'_>,
-    part: PartitionId,
-    hashes: &'c BlockHashes,
-    at: usize,
-    ahead: Ahead,
-) -> [Option<Key<'c>>; 2] {
-    [ahead.branch, ahead.end].map(|k| {
-        let block = at + k;
-        (k > 0 && block < hashes.len()).then(|| {
-            let key = Key::new(part, hashes.hash(block));
-            reader.touch(&key);
-            key
-        })
-    })
+/// Where a request that reached a run is likely to leave it (by [`Ahead`],
+/// the run's hint): the keys of those blocks, their key-table misses
+/// started, and how many blocks on its last known branch is.
+#[derive(Clone, Copy)]
+struct Leaving<'c> {
+    keys: [Option<Key<'c>>; 2],
+    /// Blocks from where the request reached the run to its branch (0:
+    /// none known).
+    branch: usize,
+}
+
+impl<'c> Leaving<'c> {
+    const NONE: Self = Self {
+        keys: [None, None],
+        branch: 0,
+    };
+
+    /// For a request that reached a run at its block `at`.
+    fn of(
+        reader: &Reader<'_>,
+        part: PartitionId,
+        hashes: &'c BlockHashes,
+        at: usize,
+        ahead: Ahead,
+    ) -> Self {
+        let keys = [ahead.branch, ahead.end].map(|k| {
+            let block = at + k;
+            (k > 0 && block < hashes.len()).then(|| {
+                let key = Key::new(part, hashes.hash(block));
+                reader.touch(&key);
+                key
+            })
+        });
+        Self {
+            keys,
+            branch: ahead.branch,
+        }
+    }
 }
 
 /// The request's token counts over one stretch of a run, and their sum.

@@ -1117,9 +1117,16 @@ impl Body {
     /// Starts loading the rows' prefix words, the first cells from `pos` of
     /// the first rows (none from position 0) and the hashes from `pos` on,
     /// so that their misses are under way together while the caller
-    /// compares hashes.
-    pub fn touch_cells(&self, pos: usize) {
-        let len = self.len();
+    /// compares hashes. With a `branch` (blocks from `pos` to where
+    /// requests were seen to leave the run; 0 for none) the hashes up to
+    /// it: a request that goes on past it reads the rest in order, and one
+    /// that leaves there (the end of a shared system prompt, say) does not
+    /// wait behind lines it never compares.
+    pub fn touch_cells(&self, pos: usize, branch: usize) {
+        let len = match branch {
+            0 => self.len(),
+            k => self.len().min(pos + k + 1),
+        };
         if let Some(row) = self.rows.first() {
             prefetch(self.data.prefix(row.slot as usize));
         }
