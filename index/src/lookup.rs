@@ -1031,9 +1031,10 @@ fn walk_chain<'c>(
         // A request that follows this run to its end goes on at block
         // `end`: start that block's key-table miss now, so that it overlaps
         // the compares (a long prompt crosses a run end every 64 blocks; a
-        // request that branches off earlier wastes one prefetch).
+        // request that branches off earlier wastes one prefetch), unless
+        // the run's hint named the same block and it is under way.
         let end = i + (len - pos);
-        if end < n {
+        if end < n && end != leaving.end {
             reader.touch(&Key::new(part, chain.hashes.hash(end)));
         }
         // How far the request follows this run: one compare per block.
@@ -1109,19 +1110,23 @@ fn walk_chain<'c>(
 
 /// Where a request that reached a run is likely to leave it (by [`Ahead`],
 /// the run's hint): the keys of those blocks, their key-table misses
-/// started, and how many blocks on its last known branch is.
+/// started, how many blocks on its last known branch is, and at which of
+/// the request's blocks the hint says the run ends.
 #[derive(Clone, Copy)]
 struct Leaving<'c> {
     keys: [Option<Key<'c>>; 2],
     /// Blocks from where the request reached the run to its branch (0:
     /// none known).
     branch: usize,
+    /// The request's block just past the run's end (0: none known).
+    end: usize,
 }
 
 impl<'c> Leaving<'c> {
     const NONE: Self = Self {
         keys: [None, None],
         branch: 0,
+        end: 0,
     };
 
     /// For a request that reached a run at its block `at`.
@@ -1143,6 +1148,7 @@ impl<'c> Leaving<'c> {
         Self {
             keys,
             branch: ahead.branch,
+            end: if ahead.end > 0 { at + ahead.end } else { 0 },
         }
     }
 }

@@ -326,7 +326,7 @@ impl Cell {
 /// cell belongs to the prefix it saw (a reader would have to be held up
 /// for 2^17 shortenings of one row between its two loads to be misled).
 /// Layout: bits 0–6 length, 7–14 tier, 15–31 version, 32–63 position 0's
-/// last-seen second (0 while the length is 0).
+/// last-seen second (meaningful while the length is above 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Prefix(u64);
 
@@ -388,6 +388,8 @@ struct RunSlot {
 const HINT_ADDRESS: u64 = (1 << 48) - 1;
 /// Bits of a [`RunSlot`] hint that hold the branch position.
 const HINT_BRANCH: u64 = 0xFF << 48;
+/// Bits of a [`RunSlot`] hint that hold the published length.
+const HINT_LEN: u64 = 0xFF << 56;
 
 /// Where a request that reaches a run at some position is likely to leave
 /// it, in blocks from that position (0: no such place).
@@ -421,7 +423,7 @@ impl RunSlot {
 
     /// Notes that the body now publishes `len` positions.
     fn hint_len(&self, len: usize) {
-        let rest = self.hint.load(Ordering::Relaxed) & !(0xFF << 56);
+        let rest = self.hint.load(Ordering::Relaxed) & !HINT_LEN;
         self.hint
             .store(rest | (len as u64) << 56, Ordering::Relaxed);
     }
