@@ -2526,21 +2526,43 @@ mod tests {
         Prefix(body.data.prefix(slot).load(Ordering::Relaxed)).len()
     }
 
+    /// Replica 7 reports blocks `range` of `part`, seen at `seen`.
+    fn report_7(store: &Store, part: PartitionId, range: std::ops::Range<u64>, seen: u32) {
+        store.write().hold(
+            part,
+            &keys(part, range)[..],
+            claim(7, seen),
+            &mut holding(1000),
+        );
+    }
+
+    /// Replica 7's stretch over positions `from..to` of the run holding key
+    /// 0 of `part`, asserting that reading it through the prefix word and
+    /// cell by cell agree; its blocks and oldest second.
+    fn stretch_7(store: &Store, part: PartitionId, from: usize, to: usize) -> (usize, u32) {
+        let reader = store.reader();
+        let (body, pos) = located(&reader, part, 0);
+        let row = body.rows()[body.row(7).expect("a row")];
+        let fast = body.row_stretch(row, pos + from, pos + to);
+        let slow = body.scan_stretch(row.slot as usize, pos + from, pos + to);
+        assert_eq!(
+            (fast.blocks, fast.oldest, fast.tier, fast.ended),
+            (slow.blocks, slow.oldest, slow.tier, slow.ended),
+            "{from}..{to}: through the word and cell by cell"
+        );
+        (fast.blocks, fast.oldest)
+    }
+
     #[test]
     fn prefix_words_cover_what_reports_wrote_in_order() {
         let store = Store::default();
-        let report = |range: std::ops::Range<u64>, seen: u32| {
-            store
-                .write()
-                .hold(1, &keys(1, range)[..], claim(7, seen), &mut holding(1000));
-        };
-        report(0..64, 100);
+        report_7(&store, 1, 0..64, 100);
         assert_eq!(prefix_len(&store, 1, 0, 7), 64, "one report in order");
         // A later refresh of the middle: the blocks after it are older.
-        report(10..20, 105);
+        report_7(&store, 1, 10..20, 105);
         assert_eq!(prefix_len(&store, 1, 0, 7), 20);
         // A refresh of the whole chain in order covers it all again.
-        report(0..64, 110);
+        report_7(&store, 1, 0..64, 110);
         assert_eq!(prefix_len(&store, 1, 0, 7), 64);
         // A hole ends it; a colder tier too.
         store
@@ -2556,59 +2578,31 @@ mod tests {
             .hold(1, &keys(1, 0..1)[..], cold, &mut holding(1000));
         assert_eq!(prefix_len(&store, 1, 0, 7), 1, "block 0 alone at T2");
         // Stretches read through the word and cell by cell agree.
-        let reader = store.reader();
-        let (body, pos) = located(&reader, 1, 0);
-        let row = body.row(7).expect("a row");
-        let slot = body.rows[row].slot as usize;
         for (from, to) in [(0, 1), (0, 30), (1, 30), (5, 29), (0, 64)] {
-            let fast = body.row_stretch(body.rows()[row], pos + from, pos + to);
-            let slow = body.scan_stretch(slot, pos + from, pos + to);
-            assert_eq!(
-                (fast.blocks, fast.oldest, fast.tier, fast.ended),
-                (slow.blocks, slow.oldest, slow.tier, slow.ended),
-                "{from}..{to}"
-            );
+            stretch_7(&store, 1, from, to);
         }
     }
 
     #[test]
     fn the_prefix_word_keeps_position_zeros_second() {
         let store = Store::default();
-        let report = |range: std::ops::Range<u64>, at: u32| {
-            store
-                .write()
-                .hold(0, &keys(0, range)[..], claim(7, at), &mut holding(1000));
-        };
-        let stretch = |from: usize, to: usize| {
-            let reader = store.reader();
-            let (body, pos) = located(&reader, 0, 0);
-            let row = body.rows()[body.row(7).expect("a row")];
-            let fast = body.row_stretch(row, pos + from, pos + to);
-            let slow = body.scan_stretch(row.slot as usize, pos + from, pos + to);
-            assert_eq!(
-                (fast.blocks, fast.oldest, fast.tier, fast.ended),
-                (slow.blocks, slow.oldest, slow.tier, slow.ended),
-                "{from}..{to}: through the word and cell by cell"
-            );
-            (fast.blocks, fast.oldest)
-        };
-        report(0..3, 10);
-        assert_eq!(stretch(0, 3), (3, 10));
+        report_7(&store, 0, 0..3, 10);
+        assert_eq!(stretch_7(&store, 0, 0, 3), (3, 10));
         // The blocks after the first refreshed later: still in order.
-        report(1..3, 20);
+        report_7(&store, 0, 1..3, 20);
         assert_eq!(prefix_len(&store, 0, 0, 7), 3);
-        assert_eq!(stretch(0, 3), (3, 10));
+        assert_eq!(stretch_7(&store, 0, 0, 3), (3, 10));
         // The first block alone, at the second the others were seen: the
         // prefix stays, and so must the word's copy of position 0's second.
-        report(0..1, 20);
+        report_7(&store, 0, 0..1, 20);
         assert_eq!(prefix_len(&store, 0, 0, 7), 3);
-        assert_eq!(stretch(0, 3), (3, 20));
-        assert_eq!(stretch(0, 1), (1, 20));
+        assert_eq!(stretch_7(&store, 0, 0, 3), (3, 20));
+        assert_eq!(stretch_7(&store, 0, 0, 1), (1, 20));
         // A newer first block breaks the order: the prefix is cut and
         // rebuilt from it.
-        report(0..1, 30);
-        assert_eq!(stretch(0, 3), (3, 20));
-        assert_eq!(stretch(0, 1), (1, 30));
+        report_7(&store, 0, 0..1, 30);
+        assert_eq!(stretch_7(&store, 0, 0, 3), (3, 20));
+        assert_eq!(stretch_7(&store, 0, 0, 1), (1, 30));
     }
 
     #[test]
