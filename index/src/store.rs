@@ -384,12 +384,40 @@ struct RunSlot {
     hint: AtomicU64,
 }
 
-/// Bits of a [`RunSlot`] hint that hold the data's address.
-const HINT_ADDRESS: u64 = (1 << 48) - 1;
-/// Bits of a [`RunSlot`] hint that hold the branch position.
-const HINT_BRANCH: u64 = 0xFF << 48;
-/// Bits of a [`RunSlot`] hint that hold the published length.
-const HINT_LEN: u64 = 0xFF << 56;
+/// A [`RunSlot`]'s hint word. Layout: bits 0–47 the data's address,
+/// 48–55 the branch position (0: none), 56–63 the published length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Hint(u64);
+
+impl Hint {
+    const ADDRESS: u64 = (1 << 48) - 1;
+    const BRANCH: u64 = 0xFF << 48;
+    const LEN: u64 = 0xFF << 56;
+
+    fn words(self) -> *const AtomicU64 {
+        (self.0 & Self::ADDRESS) as usize as *const AtomicU64
+    }
+
+    fn branch(self) -> usize {
+        ((self.0 & Self::BRANCH) >> 48) as usize
+    }
+
+    fn len(self) -> usize {
+        (self.0 >> 56) as usize
+    }
+
+    fn with_words(self, words: *const AtomicU64) -> Self {
+        Self((self.0 & !Self::ADDRESS) | (words as u64 & Self::ADDRESS))
+    }
+
+    fn with_branch(self, pos: usize) -> Self {
+        Self((self.0 & !Self::BRANCH) | (pos as u64) << 48)
+    }
+
+    fn with_len(self, len: usize) -> Self {
+        Self((self.0 & !Self::LEN) | (len as u64) << 56)
+    }
+}
 
 /// Where a request that reaches a run at some position is likely to leave
 /// it, in blocks from that position (0: no such place).
@@ -409,37 +437,38 @@ impl RunSlot {
         }
     }
 
+    fn hint(&self) -> Hint {
+        Hint(self.hint.load(Ordering::Relaxed))
+    }
+
+    fn set_hint(&self, hint: Hint) {
+        self.hint.store(hint.0, Ordering::Relaxed);
+    }
+
     /// Publishes `body` (see [`Published::swap`]) and its hint; a body
     /// that replaces another of the run keeps the run's branch.
     fn swap(&self, body: Option<Arc<Body>>) -> Option<Arc<Body>> {
-        let branch = self.hint.load(Ordering::Relaxed) & HINT_BRANCH;
-        let hint = body.as_ref().map_or(0, |b| {
-            let words = b.data.words.as_ptr() as u64 & HINT_ADDRESS;
-            words | branch | (b.len() as u64) << 56
+        let hint = body.as_ref().map_or(Hint(0), |b| {
+            Hint(0)
+                .with_words(b.data.words.as_ptr())
+                .with_branch(self.hint().branch())
+                .with_len(b.len())
         });
-        self.hint.store(hint, Ordering::Relaxed);
+        self.set_hint(hint);
         self.body.swap(body)
     }
 
     /// Notes that the body now publishes `len` positions.
     fn hint_len(&self, len: usize) {
-        let rest = self.hint.load(Ordering::Relaxed) & !HINT_LEN;
-        self.hint
-            .store(rest | (len as u64) << 56, Ordering::Relaxed);
+        self.set_hint(self.hint().with_len(len));
     }
 
     /// Notes that a report went on elsewhere after position `pos - 1`.
     fn hint_branch(&self, pos: usize) {
-        let hint = self.hint.load(Ordering::Relaxed);
-        let next = (hint & !HINT_BRANCH) | (pos as u64) << 48;
-        if next != hint {
-            self.hint.store(next, Ordering::Relaxed);
+        let hint = self.hint();
+        if hint.branch() != pos {
+            self.set_hint(hint.with_branch(pos));
         }
-    }
-
-    /// The data's address the hint names.
-    fn hinted_words(&self) -> *const AtomicU64 {
-        (self.hint.load(Ordering::Relaxed) & HINT_ADDRESS) as usize as *const AtomicU64
     }
 
     /// Starts the misses on the body and on the data line of position
@@ -447,18 +476,17 @@ impl RunSlot {
     /// a request that reached `pos` would leave the run.
     fn touch(&self, pos: usize) -> Ahead {
         prefetch_ptr(self.body.ptr.load(Ordering::Relaxed));
-        let hint = self.hint.load(Ordering::Relaxed);
-        let words = (hint & HINT_ADDRESS) as usize as *const AtomicU64;
-        prefetch_ptr(words.wrapping_add(HEAD + pos));
+        let hint = self.hint();
+        prefetch_ptr(hint.words().wrapping_add(HEAD + pos));
         Ahead {
-            branch: (((hint & HINT_BRANCH) >> 48) as usize).saturating_sub(pos),
-            end: ((hint >> 56) as usize).saturating_sub(pos),
+            branch: hint.branch().saturating_sub(pos),
+            end: hint.len().saturating_sub(pos),
         }
     }
 
     /// Starts the miss on the data line of position `pos`'s hash.
     fn touch_words(&self, pos: usize) {
-        prefetch_ptr(self.hinted_words().wrapping_add(HEAD + pos));
+        prefetch_ptr(self.hint().words().wrapping_add(HEAD + pos));
     }
 }
 
@@ -2716,8 +2744,8 @@ mod tests {
             let Some(slot) = store.runs.get(run) else {
                 continue;
             };
-            let hint = slot.hinted_words();
-            let len = (slot.hint.load(Ordering::Relaxed) >> 56) as usize;
+            let hint = slot.hint().words();
+            let len = slot.hint().len();
             match slot.body.load(&pin) {
                 Some(body) => {
                     assert_eq!(hint, body.data.words.as_ptr(), "run {run}");
