@@ -265,10 +265,13 @@ async fn slow_tokenization_times_out_and_fails_open() -> anyhow::Result<()> {
         "the answer did not wait for the tokenizer"
     );
 
-    // Meanwhile the server keeps answering other lookups.
+    // Meanwhile the server keeps answering other lookups: another tenant's,
+    // under the default budget (team-a's 1 ms would make this answer depend
+    // on how loaded the machine is).
     let quick = client
         .lookup_route(LookupRouteRequest {
             token_ids: (0..64).collect(),
+            tenant_id: "team-b".into(),
             ..base_request()
         })
         .await?
