@@ -124,8 +124,13 @@ impl<T: Copy> ScopeMemo<T> {
     /// catalog is still at that generation.
     pub fn get(&self, generation: u64, names: [&str; 4]) -> Option<T> {
         let value = self.value?;
-        (self.generation == generation && names == self.names.each_ref().map(String::as_str))
-            .then_some(value)
+        let same = self.generation == generation
+            && self
+                .names
+                .iter()
+                .zip(names)
+                .all(|(kept, name)| same_bytes(kept.as_bytes(), name.as_bytes()));
+        same.then_some(value)
     }
 
     /// Remembers what `names` resolved to at `generation`.
@@ -142,6 +147,34 @@ impl<T: Copy> ScopeMemo<T> {
         }
         self.generation = generation;
         self.value = Some(value);
+    }
+}
+
+/// Whether `a` and `b` hold the same bytes, compared a word at a time in
+/// line: names are short, and a `memcmp` call per name was a tenth of a
+/// lookup's time (four calls, each with its length dispatch).
+#[inline]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word = |s: &[u8], at: usize| u64::from_ne_bytes(s[at..at + 8].try_into().expect("8 bytes"));
+    let half = |s: &[u8], at: usize| u32::from_ne_bytes(s[at..at + 4].try_into().expect("4 bytes"));
+    match n {
+        0..4 => a.iter().zip(b).all(|(x, y)| x == y),
+        4..8 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        _ => {
+            // Whole words, then the last word (overlapping the one before).
+            let mut at = 0;
+            while at + 8 < n {
+                if word(a, at) != word(b, at) {
+                    return false;
+                }
+                at += 8;
+            }
+            word(a, n - 8) == word(b, n - 8)
+        }
     }
 }
 
@@ -798,6 +831,29 @@ pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn same_bytes_agrees_with_slice_equality_at_every_length() {
+        let base: Vec<u8> = (0..40u8).map(|i| b'a' + i % 26).collect();
+        for n in 0..=base.len() {
+            let a = &base[..n];
+            assert!(same_bytes(a, a), "{n}");
+            for at in 0..n {
+                let mut b = a.to_vec();
+                b[at] ^= 1;
+                assert!(!same_bytes(a, &b), "{n} differing at {at}");
+            }
+            if n > 0 {
+                assert!(!same_bytes(a, &base[..n - 1]), "{n} against a prefix");
+            }
+        }
+        let mut memo = ScopeMemo::empty();
+        memo.set(3, ["team-a", "qwen3", "vllm", ""], 7u32);
+        assert_eq!(memo.get(3, ["team-a", "qwen3", "vllm", ""]), Some(7));
+        assert_eq!(memo.get(3, ["team-b", "qwen3", "vllm", ""]), None);
+        assert_eq!(memo.get(3, ["team-a", "qwen3", "vllm", "x"]), None);
+        assert_eq!(memo.get(4, ["team-a", "qwen3", "vllm", ""]), None);
+    }
 
     #[test]
     fn a_shared_replica_list_copies_only_the_chunk_a_change_touches() {
