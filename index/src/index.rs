@@ -126,7 +126,8 @@ pub struct CacheIndex {
     pub(crate) fleet: RwLock<Fleet>,
     /// Running mean of the uncached prefill tokens of hinted requests (`f64` bits).
     pub(crate) mean_request_tokens: AtomicU64,
-    pub(crate) policies: ArcSwap<PolicySet>,
+    /// Shared with the lookup threads' caches (see [`CacheIndex::with_policies`]).
+    pub(crate) policies: Arc<ArcSwap<PolicySet>>,
     pub(crate) clock: Arc<dyn Clock>,
     max_entries: AtomicU64,
     max_holders: AtomicU64,
@@ -242,7 +243,7 @@ impl CacheIndex {
             store: Store::default(),
             fleet: RwLock::new(Fleet::default()),
             mean_request_tokens: AtomicU64::new(0),
-            policies: ArcSwap::from_pointee(PolicySet::default()),
+            policies: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
             clock,
             max_entries: AtomicU64::new(max_entries),
             max_holders: AtomicU64::new(DEFAULT_MAX_HOLDERS_PER_KEY as u64),
@@ -262,6 +263,31 @@ impl CacheIndex {
     /// The policy set in force.
     pub fn policies(&self) -> Arc<PolicySet> {
         self.policies.load_full()
+    }
+
+    /// Runs `f` with the policy set in force, read through this thread's
+    /// cache of it: one plain load of the current pointer while the policy
+    /// set is unchanged, where an `ArcSwap` load and its guard's release are
+    /// two locked instructions (each a full barrier on x86, about 2% of a
+    /// lookup apiece). The cache keeps one reference to the last policy set
+    /// this thread read, until the thread's next lookup of another index.
+    pub(crate) fn with_policies<R>(&self, f: impl FnOnce(&PolicySet) -> R) -> R {
+        type Cached = arc_swap::Cache<Arc<ArcSwap<PolicySet>>, Arc<PolicySet>>;
+        thread_local! {
+            static POLICIES: std::cell::RefCell<Option<Cached>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        POLICIES.with(|slot| {
+            // A nested read (none on the lookup path) takes the plain load.
+            let Ok(mut slot) = slot.try_borrow_mut() else {
+                return f(&self.policies.load());
+            };
+            let cache = match &mut *slot {
+                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.policies) => cache,
+                other => other.insert(arc_swap::Cache::new(Arc::clone(&self.policies))),
+            };
+            f(cache.load())
+        })
     }
 
     /// Block-replica entries in the index.

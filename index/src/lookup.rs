@@ -432,8 +432,11 @@ impl CacheIndex {
         if req.tenant_id == PROBE_TENANT {
             return LookupOutcome::empty(Reason::NoHint, "");
         }
-        let policies = self.policies.load();
-        let policy = policies.for_tenant(req.tenant_id);
+        self.with_policies(|policies| self.lookup_under(req, policies.for_tenant(req.tenant_id)))
+    }
+
+    /// [`lookup`](Self::lookup) under the request tenant's policy.
+    fn lookup_under(&self, req: &LookupRequest<'_>, policy: &CachePolicy) -> LookupOutcome {
         let admitted = match admit(req, policy) {
             Ok(admitted) => admitted,
             Err(outcome) => return outcome,
