@@ -149,9 +149,10 @@ fn print_times(samples: &mut [u64]) {
     samples.sort_unstable();
     let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
     println!(
-        "lookup p50 {} ns, p90 {} ns, p99 {} ns",
+        "lookup p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns",
         at(0.5),
         at(0.9),
-        at(0.99)
+        at(0.99),
+        at(0.999)
     );
 }
