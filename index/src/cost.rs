@@ -328,11 +328,7 @@ fn cost_view(
         at as usize
     };
     let common_tokens = chain.map_or(0, |c| {
-        c.token_counts
-            .iter()
-            .take(common_blocks)
-            .map(|&n| i64::from(n))
-            .sum()
+        i64::try_from(c.leading_tokens(common_blocks)).unwrap_or(i64::MAX)
     });
     Some(CostView {
         best,

@@ -1003,7 +1003,6 @@ fn walk_chain<'c>(
     mut matched_to: impl FnMut(usize),
 ) -> Matched {
     let n = chain.hashes.len();
-    let counts = &chain.token_counts[..];
     // Each run's dependent misses (key-table slot, directory slot, body and
     // data) are started a stage apart: where the request likely leaves a
     // run, its table slots when the run is entered, their directory slots
@@ -1056,7 +1055,7 @@ fn walk_chain<'c>(
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
-        let tokens = Tokens::of(&counts[i..i + m]);
+        let tokens = Tokens::of(chain, i, i + m);
         let mut any = false;
         let rows = body.rows();
         if i == 0 {
@@ -1160,22 +1159,32 @@ impl<'c> Leaving<'c> {
 struct Tokens<'a> {
     counts: &'a [u32],
     total: i64,
+    /// Every block's count, when the chain's are all the same.
+    each: Option<u32>,
 }
 
 impl<'a> Tokens<'a> {
-    fn of(counts: &'a [u32]) -> Self {
+    /// Blocks `from..to` of `chain`.
+    fn of(chain: Chain<'a>, from: usize, to: usize) -> Self {
+        let counts = &chain.token_counts[from..to];
+        let each = chain.block_tokens();
+        let total = match each {
+            Some(each) => i64::from(each) * counts.len() as i64,
+            None => counts.iter().map(|&n| i64::from(n)).sum(),
+        };
         Self {
             counts,
-            total: counts.iter().map(|&n| i64::from(n)).sum(),
+            total,
+            each,
         }
     }
 
     /// Tokens of the stretch's first `k` blocks.
     fn first(&self, k: usize) -> i64 {
-        if k == self.counts.len() {
-            self.total
-        } else {
-            self.counts[..k].iter().map(|&n| i64::from(n)).sum()
+        match self.each {
+            _ if k == self.counts.len() => self.total,
+            Some(each) => i64::from(each) * k as i64,
+            None => self.counts[..k].iter().map(|&n| i64::from(n)).sum(),
         }
     }
 }

@@ -300,6 +300,13 @@ impl BlockHashes {
 pub struct BlockChain {
     pub(crate) hashes: BlockHashes,
     pub(crate) token_counts: Vec<u32>,
+    /// The token counts' sum, taken once when the chain is made (a
+    /// lookup's checks read it; summing 64 counts there was 2 % of it).
+    tokens: u64,
+    /// The one token count every block has (an engine hashes full blocks
+    /// only), else 0: a lookup's stretches then count `blocks × this`
+    /// instead of summing.
+    block_tokens: u32,
 }
 
 impl BlockChain {
@@ -338,10 +345,21 @@ impl BlockChain {
                 .collect();
             BlockHashes::Wide { bytes, ends }
         };
-        Ok(Self {
+        Ok(Self::of(hashes, token_counts))
+    }
+
+    fn of(hashes: BlockHashes, token_counts: Vec<u32>) -> Self {
+        let tokens = token_counts.iter().map(|&n| u64::from(n)).sum();
+        let block_tokens = match token_counts.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&n| n == first) => first,
+            _ => 0,
+        };
+        Self {
             hashes,
             token_counts,
-        })
+            tokens,
+            block_tokens,
+        }
     }
 
     /// A chain of 8-byte hashes (wire form, big-endian), taken as they are:
@@ -351,10 +369,7 @@ impl BlockChain {
         if hashes.len() != token_counts.len() {
             return Err(DropReason::MalformedChain);
         }
-        Ok(Self {
-            hashes: BlockHashes::Narrow(hashes),
-            token_counts,
-        })
+        Ok(Self::of(BlockHashes::Narrow(hashes), token_counts))
     }
 
     /// Number of blocks.
@@ -384,7 +399,24 @@ impl BlockChain {
 
     /// Tokens of the whole chain.
     pub fn tokens(&self) -> u64 {
-        self.token_counts.iter().map(|&n| u64::from(n)).sum()
+        self.tokens
+    }
+
+    /// The one token count of every block, when they all have the same.
+    pub(crate) fn block_tokens(&self) -> Option<u32> {
+        (self.block_tokens > 0).then_some(self.block_tokens)
+    }
+
+    /// Tokens of the first `blocks` blocks (all of them past the end).
+    pub(crate) fn leading_tokens(&self, blocks: usize) -> u64 {
+        let blocks = blocks.min(self.len());
+        match self.block_tokens() {
+            Some(each) => u64::from(each) * blocks as u64,
+            None => self.token_counts[..blocks]
+                .iter()
+                .map(|&n| u64::from(n))
+                .sum(),
+        }
     }
 }
 
@@ -861,4 +893,31 @@ pub struct SweepReport {
     pub names_freed: u64,
     /// Partitions freed because they hold no entries.
     pub partitions_freed: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockChain;
+
+    #[test]
+    fn a_chain_counts_its_tokens_whether_blocks_are_alike_or_not() {
+        let hashes = [[1u8; 8], [2; 8], [3; 8]];
+        let alike = BlockChain::new(&hashes, vec![16, 16, 16]).expect("a valid chain");
+        assert_eq!(alike.block_tokens(), Some(16));
+        assert_eq!(alike.tokens(), 48);
+        assert_eq!(
+            [0, 1, 2, 3, 9].map(|k| alike.leading_tokens(k)),
+            [0, 16, 32, 48, 48]
+        );
+        let mixed =
+            BlockChain::from_words(hashes.to_vec(), vec![16, 16, 5]).expect("a valid chain");
+        assert_eq!(mixed.block_tokens(), None);
+        assert_eq!(mixed.tokens(), 37);
+        assert_eq!(
+            [0, 1, 2, 3, 9].map(|k| mixed.leading_tokens(k)),
+            [0, 16, 32, 37, 37]
+        );
+        assert_eq!(BlockChain::default().tokens(), 0);
+        assert_eq!(BlockChain::default().leading_tokens(4), 0);
+    }
 }
