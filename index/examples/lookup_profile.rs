@@ -9,7 +9,7 @@
 //!
 //! ```sh
 //! cargo build --release -p inference-cache-index --features compare-kv-index --example lookup_profile
-//! valgrind --tool=callgrind --toggle-collect='*CacheIndex*lookup*' \
+//! valgrind --tool=callgrind --toggle-collect='*CacheIndex>::lookup' \
 //!   target/release/examples/lookup_profile
 //! INDEX=kv-index valgrind --tool=callgrind --toggle-collect='*ChainIndex*find_matches*' \
 //!   target/release/examples/lookup_profile
