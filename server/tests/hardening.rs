@@ -744,8 +744,11 @@ async fn bearer_tokens_bind_producers_to_tenants_and_replicas() {
 
 #[tokio::test]
 async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
+    const DELAY_MS: u64 = 1500;
     let mut h = Harness::start_with(&open_policy(), |c| {
-        c.shutdown.delay = Duration::from_millis(600);
+        // Long enough that the checks made during it fit on a loaded
+        // machine.
+        c.shutdown.delay = Duration::from_millis(DELAY_MS);
         c.shutdown.drain_timeout = Duration::from_millis(500);
     })
     .await;
@@ -798,7 +801,7 @@ async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
         status,
         tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
     );
-    assert!(started.elapsed() < Duration::from_millis(600));
+    assert!(started.elapsed() < Duration::from_millis(DELAY_MS));
 
     let result = tokio::time::timeout(Duration::from_secs(5), waited)
         .await
@@ -807,8 +810,11 @@ async fn shutdown_fails_readiness_first_then_cuts_a_never_closing_stream() {
     result.expect("clean stop");
     let took = started.elapsed();
     println!("stopped after {took:?}");
-    assert!(took >= Duration::from_millis(600), "{took:?}");
-    assert!(took < Duration::from_millis(600 + 500 + 1500), "{took:?}");
+    assert!(took >= Duration::from_millis(DELAY_MS), "{took:?}");
+    assert!(
+        took < Duration::from_millis(DELAY_MS + 500 + 1500),
+        "{took:?}"
+    );
     // The producer's stream was ended by the server, not left hanging.
     let outcome = tokio::time::timeout(Duration::from_secs(2), stream)
         .await
