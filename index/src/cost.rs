@@ -328,7 +328,7 @@ fn cost_view(
         at as usize
     };
     let common_tokens = chain.map_or(0, |c| {
-        i64::try_from(c.leading_tokens(common_blocks)).unwrap_or(i64::MAX)
+        i64::try_from(c.tokens_between(0, common_blocks)).unwrap_or(i64::MAX)
     });
     Some(CostView {
         best,

@@ -1155,36 +1155,36 @@ impl<'c> Leaving<'c> {
     }
 }
 
-/// The request's token counts over one stretch of a run, and their sum.
+/// The request's tokens over one stretch of a run: its total, which most
+/// holders hold all of, and the tokens of a leading part of it.
 struct Tokens<'a> {
-    counts: &'a [u32],
+    chain: Chain<'a>,
+    from: usize,
+    blocks: usize,
     total: i64,
-    /// Every block's count, when the chain's are all the same.
-    each: Option<u32>,
 }
 
 impl<'a> Tokens<'a> {
     /// Blocks `from..to` of `chain`.
     fn of(chain: Chain<'a>, from: usize, to: usize) -> Self {
-        let counts = &chain.token_counts[from..to];
-        let each = chain.block_tokens();
-        let total = match each {
-            Some(each) => i64::from(each) * counts.len() as i64,
-            None => counts.iter().map(|&n| i64::from(n)).sum(),
-        };
         Self {
-            counts,
-            total,
-            each,
+            chain,
+            from,
+            blocks: to - from,
+            total: Self::count(chain, from, to),
         }
+    }
+
+    fn count(chain: Chain<'_>, from: usize, to: usize) -> i64 {
+        i64::try_from(chain.tokens_between(from, to)).unwrap_or(i64::MAX)
     }
 
     /// Tokens of the stretch's first `k` blocks.
     fn first(&self, k: usize) -> i64 {
-        match self.each {
-            _ if k == self.counts.len() => self.total,
-            Some(each) => i64::from(each) * k as i64,
-            None => self.counts[..k].iter().map(|&n| i64::from(n)).sum(),
+        if k == self.blocks {
+            self.total
+        } else {
+            Self::count(self.chain, self.from, self.from + k)
         }
     }
 }

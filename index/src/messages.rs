@@ -300,12 +300,10 @@ impl BlockHashes {
 pub struct BlockChain {
     pub(crate) hashes: BlockHashes,
     pub(crate) token_counts: Vec<u32>,
-    /// The token counts' sum, taken once when the chain is made (a
-    /// lookup's checks read it; summing 64 counts there was 2 % of it).
-    tokens: u64,
     /// The one token count every block has (an engine hashes full blocks
-    /// only), else 0: a lookup's stretches then count `blocks × this`
-    /// instead of summing.
+    /// only), else 0, found once when the chain is made: a lookup's token
+    /// totals then count `blocks × this` instead of summing (summing the
+    /// 64 counts of a request's checks alone was 2 % of a lookup).
     block_tokens: u32,
 }
 
@@ -349,7 +347,6 @@ impl BlockChain {
     }
 
     fn of(hashes: BlockHashes, token_counts: Vec<u32>) -> Self {
-        let tokens = token_counts.iter().map(|&n| u64::from(n)).sum();
         let block_tokens = match token_counts.split_first() {
             Some((&first, rest)) if rest.iter().all(|&n| n == first) => first,
             _ => 0,
@@ -357,7 +354,6 @@ impl BlockChain {
         Self {
             hashes,
             token_counts,
-            tokens,
             block_tokens,
         }
     }
@@ -399,20 +395,21 @@ impl BlockChain {
 
     /// Tokens of the whole chain.
     pub fn tokens(&self) -> u64 {
-        self.tokens
+        self.tokens_between(0, self.len())
     }
 
     /// The one token count of every block, when they all have the same.
-    pub(crate) fn block_tokens(&self) -> Option<u32> {
+    fn block_tokens(&self) -> Option<u32> {
         (self.block_tokens > 0).then_some(self.block_tokens)
     }
 
-    /// Tokens of the first `blocks` blocks (all of them past the end).
-    pub(crate) fn leading_tokens(&self, blocks: usize) -> u64 {
-        let blocks = blocks.min(self.len());
+    /// Tokens of blocks `from..to` (as far as the chain goes).
+    pub(crate) fn tokens_between(&self, from: usize, to: usize) -> u64 {
+        let to = to.min(self.len());
+        let from = from.min(to);
         match self.block_tokens() {
-            Some(each) => u64::from(each) * blocks as u64,
-            None => self.token_counts[..blocks]
+            Some(each) => u64::from(each) * (to - from) as u64,
+            None => self.token_counts[from..to]
                 .iter()
                 .map(|&n| u64::from(n))
                 .sum(),
@@ -906,7 +903,7 @@ mod tests {
         assert_eq!(alike.block_tokens(), Some(16));
         assert_eq!(alike.tokens(), 48);
         assert_eq!(
-            [0, 1, 2, 3, 9].map(|k| alike.leading_tokens(k)),
+            [0, 1, 2, 3, 9].map(|k| alike.tokens_between(0, k)),
             [0, 16, 32, 48, 48]
         );
         let mixed =
@@ -914,10 +911,12 @@ mod tests {
         assert_eq!(mixed.block_tokens(), None);
         assert_eq!(mixed.tokens(), 37);
         assert_eq!(
-            [0, 1, 2, 3, 9].map(|k| mixed.leading_tokens(k)),
+            [0, 1, 2, 3, 9].map(|k| mixed.tokens_between(0, k)),
             [0, 16, 32, 37, 37]
         );
         assert_eq!(BlockChain::default().tokens(), 0);
-        assert_eq!(BlockChain::default().leading_tokens(4), 0);
+        assert_eq!(BlockChain::default().tokens_between(0, 4), 0);
+        assert_eq!(mixed.tokens_between(1, 3), 21);
+        assert_eq!(alike.tokens_between(1, 3), 32);
     }
 }
