@@ -106,6 +106,19 @@ impl Candidates {
     /// so this is one merge pass.
     fn retain_live(&mut self, serving: &[Live<'_>]) {
         let list = self.list.as_mut_slice();
+        // Where every live member holds the first block (a prompt shared
+        // by the fleet), each candidate's place is its own.
+        if list.len() == serving.len()
+            && list
+                .iter()
+                .zip(serving)
+                .all(|(c, l)| c.replica == l.replica)
+        {
+            for (i, c) in list.iter_mut().enumerate() {
+                c.member = i as u32;
+            }
+            return;
+        }
         let (mut rest, mut at, mut kept) = (serving, 0, 0);
         for i in 0..list.len() {
             let replica = list[i].replica;
