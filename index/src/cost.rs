@@ -327,9 +327,7 @@ fn cost_view(
         let (_, &mut at, _) = runs.select_nth_unstable_by(rank, |a, b| b.cmp(a));
         at as usize
     };
-    let common_tokens = chain.map_or(0, |c| {
-        i64::try_from(c.tokens_between(0, common_blocks)).unwrap_or(i64::MAX)
-    });
+    let common_tokens = chain.map_or(0, |c| c.token_total(0, common_blocks));
     Some(CostView {
         best,
         common_blocks,

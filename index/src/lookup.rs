@@ -268,7 +268,7 @@ fn admit<'r>(req: &LookupRequest<'r>, policy: &CachePolicy) -> Result<Admitted<'
         None
     };
     let request_tokens = match chain {
-        Some(c) => i64::try_from(c.tokens()).unwrap_or(i64::MAX),
+        Some(c) => c.token_total(0, c.len()),
         None if req.prefix_hash.is_empty() => {
             return Err(LookupOutcome::empty(Reason::NoHint, adapter));
         }
@@ -1184,12 +1184,8 @@ impl<'a> Tokens<'a> {
             chain,
             from,
             blocks: to - from,
-            total: Self::count(chain, from, to),
+            total: chain.token_total(from, to),
         }
-    }
-
-    fn count(chain: Chain<'_>, from: usize, to: usize) -> i64 {
-        i64::try_from(chain.tokens_between(from, to)).unwrap_or(i64::MAX)
     }
 
     /// Tokens of the stretch's first `k` blocks.
@@ -1197,7 +1193,7 @@ impl<'a> Tokens<'a> {
         if k == self.blocks {
             self.total
         } else {
-            Self::count(self.chain, self.from, self.from + k)
+            self.chain.token_total(self.from, self.from + k)
         }
     }
 }
