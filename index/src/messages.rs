@@ -405,7 +405,7 @@ impl BlockChain {
 
     /// [`tokens_between`](Self::tokens_between) as the ranking adds token
     /// counts: signed, at most `i64::MAX`.
-    pub(crate) fn token_total(&self, from: usize, to: usize) -> i64 {
+    pub fn token_total(&self, from: usize, to: usize) -> i64 {
         i64::try_from(self.tokens_between(from, to)).unwrap_or(i64::MAX)
     }
 

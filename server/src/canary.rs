@@ -132,7 +132,7 @@ pub fn check_index(tokens: &[u32], block_size: usize, model: &str) -> Result<(),
     request.chain = ChainInput::Derived(&chain);
     request.arrived = Instant::now();
     let outcome = index.lookup(&request);
-    let expected = i64::try_from(chain.tokens()).unwrap_or(i64::MAX);
+    let expected = chain.token_total(0, chain.len());
     let top = outcome.top();
     let agrees = outcome.reason == Reason::PrefixMatch
         && top.is_some_and(|(name, score)| {
