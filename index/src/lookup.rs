@@ -483,20 +483,24 @@ impl CacheIndex {
             at,
             serving: &serving,
         };
-        // Then start loading the body of the first block's run; the
-        // members' loads (the cost-aware ranker reads every member's load
-        // once, for the ranking and for the fallback alike) are read while
-        // that miss is under way.
-        // Where the request likely leaves that run is known before its body
-        // arrives: start those blocks' key-table misses too (the walk starts
-        // their runs' directory slots once the loads are read).
-        let leaving = first.as_ref().map_or(Leaving::NONE, |(p, c, key)| {
-            Leaving::of(&reader, *p, &c.hashes, 0, reader.touch_run(key))
-        });
+        // Then start the first block's run: its directory slot (the table
+        // slot has likely arrived) is loaded while the members' loads are
+        // read (the cost-aware ranker reads every member's load once, for
+        // the ranking and for the fallback alike); reading the slot's hint
+        // before them made the lookup wait for both misses at 10M entries.
+        // The hint starts the run's body and data, and the key-table misses
+        // of the blocks where the request likely leaves the run (the walk
+        // starts their runs' directory slots).
+        if let Some((_, _, key)) = &first {
+            reader.touch_slot(key);
+        }
         let mut loads = MemberLoads::new();
         if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
             loads.get(self, &scene.ctx, scene.serving);
         }
+        let leaving = first.as_ref().map_or(Leaving::NONE, |(p, c, key)| {
+            Leaving::of(&reader, *p, &c.hashes, 0, reader.touch_run(key))
+        });
         let mut cands = Candidates::new();
         let matched = self.find_holders(&scene, &reader, leaving, &mut cands);
         let missed = matches!(matched, Matched::Miss);
