@@ -491,11 +491,14 @@ impl CacheIndex {
         // The hint starts the run's body and data, and the key-table misses
         // of the blocks where the request likely leaves the run (the walk
         // starts their runs' directory slots).
-        if let Some((_, _, key)) = &first {
+        // Without loads to read there is nothing to overlap: the hint is
+        // read at once.
+        let read_loads = policy.ranker == Ranker::CostAware && scene.at.part.is_some();
+        if read_loads && let Some((_, _, key)) = &first {
             reader.touch_slot(key);
         }
         let mut loads = MemberLoads::new();
-        if policy.ranker == Ranker::CostAware && scene.at.part.is_some() {
+        if read_loads {
             loads.get(self, &scene.ctx, scene.serving);
         }
         let leaving = first.as_ref().map_or(Leaving::NONE, |(p, c, key)| {
