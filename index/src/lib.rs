@@ -50,6 +50,7 @@
 //! # Ok::<(), DropReason>(())
 //! ```
 
+mod branches;
 mod catalog;
 mod clock;
 mod cost;

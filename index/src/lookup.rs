@@ -1157,13 +1157,16 @@ impl<'c> Leaving<'c> {
         part: PartitionId,
         hashes: &'c BlockHashes,
         at: usize,
-        ahead: Ahead,
+        ahead: Ahead<'_>,
     ) -> Self {
+        // Each block's key-table slot, and when the run names the run that
+        // block begins in its branch table, that run's lines too.
         let keys = [ahead.branch, ahead.end].map(|k| {
             let block = at + k;
             (k > 0 && block < hashes.len()).then(|| {
                 let key = Key::new(part, hashes.hash(block));
                 reader.touch(&key);
+                reader.touch_next(&ahead, &key);
                 key
             })
         });

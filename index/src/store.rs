@@ -37,7 +37,12 @@
 //!   carries its data's address as a prefetch hint ([`RunSlot`]), so a
 //!   reader starts the body and the data line it compares first together;
 //!   a chain walk starts the next run's that way before it reads the cells
-//!   of the current one, and locates it after. Row slots of a run are never
+//!   of the current one, and locates it after. A run that others continue
+//!   (a shared head) also has a **branch table** in its directory slot
+//!   (the `branches` module): for each run that starts right after it, that
+//!   run's body, hash and prefix-word addresses, so a lookup starts all of
+//!   the next run's misses as soon as it knows where it will leave this
+//!   one, instead of three dependent misses one after the other. Row slots of a run are never
 //!   reused while the run data lives, so a row index a reader loaded never
 //!   points at another replica's cells.
 //! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
@@ -68,8 +73,9 @@
 //! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
 //! exactly one or two slots for one or two holders, half again as many
 //! beyond) + the key table's 8-byte slot at 3/8–3/4 load, plus a run
-//! header, a 16-byte directory slot and a prefix word per row slot shared
-//! by the run's blocks.
+//! header, a 24-byte directory slot and a prefix word per row slot shared
+//! by the run's blocks, and 32 bytes at 3/8–3/4 load in its parent's
+//! branch table for a run that continues another.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -80,6 +86,7 @@ use hashbrown::{HashMap, HashSet};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
+use crate::branches::{Branches, Lines};
 use crate::catalog::{PartitionId, ReplicaId};
 use crate::messages::BlockHashes;
 use crate::table::{KeyTable, Probe, Vacant};
@@ -382,6 +389,9 @@ type RunChunk = Box<[RunSlot]>;
 struct RunSlot {
     body: Published<Body>,
     hint: AtomicU64,
+    /// The runs that start right after one of this run's positions (see
+    /// the `branches` module); none for most runs.
+    branches: Published<Branches>,
 }
 
 /// A [`RunSlot`]'s hint word. Layout: bits 0–47 the data's address,
@@ -420,13 +430,15 @@ impl Hint {
 }
 
 /// Where a request that reaches a run at some position is likely to leave
-/// it, in blocks from that position (0: no such place).
+/// it, in blocks from that position (0: no such place), and the run's
+/// branch table, which names the runs it goes on in.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Ahead {
+pub(crate) struct Ahead<'r> {
     /// To the run's last known branch past the position.
     pub branch: usize,
     /// To the run's end.
     pub end: usize,
+    next: Option<&'r Branches>,
 }
 
 impl RunSlot {
@@ -434,6 +446,7 @@ impl RunSlot {
         Self {
             body: Published::empty(),
             hint: AtomicU64::new(0),
+            branches: Published::empty(),
         }
     }
 
@@ -474,13 +487,14 @@ impl RunSlot {
     /// Starts the misses on the body and on the data line of position
     /// `pos` (whatever body the slot holds by then: a hint), and says where
     /// a request that reached `pos` would leave the run.
-    fn touch(&self, pos: usize) -> Ahead {
+    fn touch(&self, pos: usize) -> Ahead<'static> {
         prefetch_ptr(self.body.ptr.load(Ordering::Relaxed));
         let hint = self.hint();
         prefetch_ptr(hint.words().wrapping_add(HEAD + pos));
         Ahead {
             branch: hint.branch().saturating_sub(pos),
             end: hint.len().saturating_sub(pos),
+            next: None,
         }
     }
 
@@ -894,6 +908,37 @@ type Rows = SmallVec<[Row; 4]>;
 pub(crate) struct Row {
     pub replica: ReplicaId,
     slot: u32,
+}
+
+/// The lines a lookup reads first in a run it enters at position 0, as a
+/// branch table keeps them: the data's address with its block capacity in
+/// the top byte, the body's address and the first row slots' prefix words'
+/// address.
+fn lines_of(body: &Body) -> Lines {
+    let data = &body.data;
+    [
+        data.words.as_ptr() as u64 & Hint::ADDRESS | (data.cap() as u64) << 56,
+        std::ptr::from_ref(body) as u64,
+        data.words
+            .get(data.prefixes_at())
+            .map_or(0, |w| std::ptr::from_ref(w) as u64),
+    ]
+}
+
+/// Starts the misses on the lines of [`lines_of`]: the body, the hash
+/// words from position 0 to the capacity and the first prefix words.
+fn prefetch_lines([data, body, prefixes]: Lines) {
+    let words = (data & Hint::ADDRESS) as usize as *const AtomicU64;
+    let end = HEAD + (data >> 56) as usize;
+    let mut at = 0;
+    while at < end {
+        prefetch_ptr(words.wrapping_add(at));
+        at += 8;
+    }
+    let body = body as usize as *const u8;
+    prefetch_ptr(body);
+    prefetch_ptr(body.wrapping_add(64));
+    prefetch_ptr(prefixes as usize as *const u8);
 }
 
 /// What a reader sees of a run: partition, published length, rows (sorted
@@ -1310,6 +1355,23 @@ impl<T> Drop for Published<T> {
 enum Retired {
     Body(Arc<Body>),
     Table(Arc<KeyTable>),
+    Branches(Arc<Branches>),
+}
+
+/// Where a run that starts right after another one is named: the run it
+/// continues (whose branch table has an entry for it) and its first key's
+/// tag.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    parent: u32,
+    tag: u32,
+}
+
+impl Link {
+    const NONE: Self = Self {
+        parent: u32::MAX,
+        tag: 0,
+    };
 }
 
 /// Values retired together, and whether every reader pinned before they
@@ -1333,6 +1395,11 @@ pub(crate) struct Writer {
     bodies: Vec<Option<Arc<Body>>>,
     /// Held cells per run.
     live: Vec<u32>,
+    /// Per run, the run it continues and its entry there (see
+    /// [`Link`]).
+    links: Vec<Link>,
+    /// The published branch tables, by the run they belong to.
+    branches: HashMap<u32, Arc<Branches>>,
     free: Vec<u32>,
     by_replica: HashMap<ReplicaId, HashSet<u32>>,
     /// Held cells in the store.
@@ -1403,16 +1470,33 @@ impl Reader<'_> {
     /// is likely to leave it (by the directory's hint; nothing when the key
     /// is not found), so that the caller can start those blocks' key-table
     /// misses too.
-    pub fn touch_run(&self, key: &Key<'_>) -> Ahead {
+    pub fn touch_run(&self, key: &Key<'_>) -> Ahead<'_> {
         let mut ahead = Ahead::default();
         self.table().find(key.probe, |loc| {
             let (run, pos) = split(loc);
             if let Some(slot) = self.store.runs.get(run) {
-                ahead = slot.touch(pos);
+                ahead = Ahead {
+                    next: slot.branches.load(&self.pin),
+                    ..slot.touch(pos)
+                };
             }
             true
         });
         ahead
+    }
+
+    /// Starts the misses of the run that `key` begins, if the run of
+    /// `ahead` names it in its branch table: its directory slot, body,
+    /// hash words and first prefix words, all at once (see the `branches`
+    /// module).
+    pub fn touch_next(&self, ahead: &Ahead<'_>, key: &Key<'_>) {
+        let Some((run, lines)) = ahead.next.and_then(|b| b.find(key.probe.tag())) else {
+            return;
+        };
+        if let Some(slot) = self.store.runs.get(run) {
+            prefetch(slot);
+        }
+        prefetch_lines(lines);
     }
 
     /// Starts loading the directory slot of the run the key's table slot
@@ -1528,6 +1612,7 @@ impl Writing<'_> {
     /// replicas were cleared.
     pub fn shrink(&mut self) {
         crate::catalog::shrink_map(&mut self.w.by_replica);
+        crate::catalog::shrink_map(&mut self.w.branches);
     }
 
     /// Whether `replica` has a cell anywhere.
@@ -1584,7 +1669,61 @@ impl Writing<'_> {
         let old = self.store.runs.slot(run).swap(Some(body.clone()));
         self.w.bodies[run as usize] = Some(body.clone());
         self.retire(old.map(Retired::Body));
+        // The run it continues names where its lines are now.
+        let link = self.w.links[run as usize];
+        if let Some(table) = self.w.branches.get(&link.parent) {
+            table.update(link.tag, run, lines_of(&body));
+        }
         body
+    }
+
+    /// Names `run`, which starts right after a position of `parent` with
+    /// the key of `probe`, in `parent`'s branch table (made or grown as
+    /// needed).
+    fn link(&mut self, parent: u32, run: u32, probe: Probe) {
+        let Some(body) = self.body(run).cloned() else {
+            return;
+        };
+        let (tag, lines) = (probe.tag(), lines_of(&body));
+        let table = match self.w.branches.get(&parent) {
+            Some(table) if table.set(tag, run, lines) => None,
+            Some(table) => Some(table.grown()),
+            None => Some(Branches::default()),
+        };
+        if let Some(table) = table {
+            let placed = table.set(tag, run, lines);
+            debug_assert!(placed, "a new or grown branch table has room");
+            let table = Arc::new(table);
+            let old = self
+                .store
+                .runs
+                .slot(parent)
+                .branches
+                .swap(Some(table.clone()));
+            self.w.branches.insert(parent, table);
+            self.retire(old.map(Retired::Branches));
+        }
+        self.w.links[run as usize] = Link { parent, tag };
+    }
+
+    /// Drops `run` from the branch table of the run it continues, and its
+    /// own branch table with it.
+    fn unlink(&mut self, run: u32) {
+        let link = std::mem::replace(&mut self.w.links[run as usize], Link::NONE);
+        if let Some(table) = self.w.branches.get(&link.parent) {
+            table.remove(link.tag, run);
+        }
+        if let Some(table) = self.w.branches.remove(&run) {
+            for child in table.runs() {
+                if let Some(l) = self.w.links.get_mut(child as usize)
+                    && l.parent == run
+                {
+                    *l = Link::NONE;
+                }
+            }
+            let old = self.store.runs.slot(run).branches.swap(None);
+            self.retire(old.map(Retired::Branches));
+        }
     }
 
     /// Keeps the directory's count of a value swapped out of it until no
@@ -1653,6 +1792,7 @@ impl Writing<'_> {
         }
         self.w.bodies.push(None);
         self.w.live.push(0);
+        self.w.links.push(Link::NONE);
         Some(id)
     }
 
@@ -1945,6 +2085,11 @@ impl Writing<'_> {
                     .entry(claim.replica)
                     .or_default()
                     .insert(run);
+                // A run that continues another one is named in its branch
+                // table.
+                if let Some((parent, _)) = prev {
+                    self.link(parent, run, blocks.key(part, first).probe);
+                }
                 (run, 0)
             }
         };
@@ -2229,6 +2374,7 @@ impl Writing<'_> {
         for replica in body.replicas().collect::<Vec<_>>() {
             self.forget(replica, run);
         }
+        self.unlink(run);
         let old = self.store.runs.slot(run).swap(None);
         self.w.bodies[run as usize] = None;
         self.retire(old.map(Retired::Body));
@@ -2782,33 +2928,154 @@ mod tests {
         let store = Store::default();
         let mut h = holding(10_000);
         let key = |k: u64| Key::new(0, HashRef::Narrow(k));
+        let ahead_of = |k: u64| {
+            let reader = store.reader();
+            let ahead = reader.touch_run(&key(k));
+            (ahead.branch, ahead.end)
+        };
         // One report of 40 blocks: one run, nowhere to branch yet.
         store
             .write()
             .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
-        let ahead = store.reader().touch_run(&key(0));
-        assert_eq!((ahead.branch, ahead.end), (0, 40));
+        assert_eq!(ahead_of(0), (0, 40));
         // Another shares its first 16 blocks, then goes on elsewhere.
         let mut other = keys(0, 0..16);
         other.extend(keys(0, 100..120));
         store.write().hold(0, &other[..], claim(2, 5), &mut h);
-        let ahead = store.reader().touch_run(&key(0));
-        assert_eq!((ahead.branch, ahead.end), (16, 40));
+        assert_eq!(ahead_of(0), (16, 40));
         // From inside the run both count from the key's position; past the
         // branch only the end is ahead.
-        let ahead = store.reader().touch_run(&key(10));
-        assert_eq!((ahead.branch, ahead.end), (6, 30));
-        let ahead = store.reader().touch_run(&key(20));
-        assert_eq!((ahead.branch, ahead.end), (0, 20));
+        assert_eq!(ahead_of(10), (6, 30));
+        assert_eq!(ahead_of(20), (0, 20));
         // A new holder's row rebuilds the body: the branch stays.
         store
             .write()
             .hold(0, &keys(0, 0..40)[..], claim(3, 5), &mut h);
         assert_hints_follow_bodies(&store);
-        assert_eq!(store.reader().touch_run(&key(0)).branch, 16);
+        assert_eq!(ahead_of(0).0, 16);
         // A key the table lacks: nothing ahead.
-        let ahead = store.reader().touch_run(&key(999));
-        assert_eq!((ahead.branch, ahead.end), (0, 0));
+        assert_eq!(ahead_of(999), (0, 0));
+    }
+
+    /// The entry `parent`'s branch table has for the run that `first`
+    /// (a key of partition 0) begins, as a reader finds it.
+    fn branch_entry(store: &Store, parent: u64, first: u64) -> Option<(u32, Lines)> {
+        let key = |k: u64| Key::new(0, HashRef::Narrow(k));
+        let reader = store.reader();
+        let ahead = reader.touch_run(&key(parent));
+        ahead.next.and_then(|b| b.find(key(first).probe.tag()))
+    }
+
+    #[test]
+    fn a_run_names_the_runs_that_continue_it() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        let run_of = |k: u64| {
+            let reader = store.reader();
+            let loc = reader
+                .table()
+                .find(Key::new(0, HashRef::Narrow(k)).probe, |_| true)
+                .expect("stored");
+            split(loc).0
+        };
+        let lines_now = |k: u64| {
+            let reader = store.reader();
+            let (body, pos) = located(&reader, 0, k);
+            assert_eq!(pos, 0, "key {k} begins its run");
+            lines_of(body)
+        };
+        // One report: one run, which nothing continues.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        let reader = store.reader();
+        assert!(
+            reader
+                .touch_run(&Key::new(0, HashRef::Narrow(0)))
+                .next
+                .is_none()
+        );
+        drop(reader);
+        // Two more share its first 16 blocks and go on in runs of their own:
+        // the first run names both, with the lines a reader reads there.
+        for (r, tail) in [(2, 100..120), (3, 200..230)] {
+            let mut report = keys(0, 0..16);
+            report.extend(keys(0, tail));
+            store.write().hold(0, &report[..], claim(r, 5), &mut h);
+        }
+        assert_eq!(
+            branch_entry(&store, 0, 100),
+            Some((run_of(100), lines_now(100)))
+        );
+        assert_eq!(
+            branch_entry(&store, 0, 200),
+            Some((run_of(200), lines_now(200)))
+        );
+        // Asked from inside the run, the same table answers.
+        assert_eq!(
+            branch_entry(&store, 10, 100).map(|e| e.0),
+            Some(run_of(100))
+        );
+        // A block of the run itself, or one no run begins: no entry.
+        assert_eq!(branch_entry(&store, 0, 16), None);
+        assert_eq!(branch_entry(&store, 0, 105), None);
+        // A second holder rebuilds the run at 100: its entry follows the
+        // new body and data.
+        let before = lines_now(100);
+        let mut report = keys(0, 0..16);
+        report.extend(keys(0, 100..120));
+        store.write().hold(0, &report[..], claim(4, 5), &mut h);
+        assert_ne!(lines_now(100), before, "rebuilt");
+        assert_eq!(
+            branch_entry(&store, 0, 100),
+            Some((run_of(100), lines_now(100)))
+        );
+        // A freed run leaves its parent's table.
+        let mut count = Count(Vec::new());
+        store.write().clear(3, |_| true, &mut count);
+        assert_eq!(branch_entry(&store, 0, 200), None);
+        assert!(branch_entry(&store, 0, 100).is_some());
+        // A freed parent takes its table with it, and its children no
+        // longer name it.
+        let child = run_of(100);
+        for r in [1, 2, 4] {
+            store.write().clear(r, |_| true, &mut count);
+        }
+        let w = store.write();
+        assert!(w.w.branches.is_empty());
+        assert!(w.w.bodies.iter().all(Option::is_none));
+        assert_eq!(w.w.links[child as usize].parent, Link::NONE.parent);
+    }
+
+    #[test]
+    fn a_freed_parent_unlinks_its_children() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        // Replica 1 holds the head alone; replica 2 the head and a tail.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        let mut report = keys(0, 0..16);
+        report.extend(keys(0, 100..120));
+        store.write().hold(0, &report[..], claim(2, 5), &mut h);
+        assert!(branch_entry(&store, 0, 100).is_some());
+        // The head run goes (both drop it); the tail stays, unlinked.
+        let mut count = Count(Vec::new());
+        store.write().clear(1, |_| true, &mut count);
+        let part_of_head = keys(0, 0..16);
+        let mut w = store.write();
+        for (key, _) in &part_of_head {
+            w.release(0, key, 2);
+        }
+        assert!(w.w.branches.is_empty(), "the head's table went with it");
+        assert!(w.w.links.iter().all(|l| l.parent == Link::NONE.parent));
+        drop(w);
+        assert_eq!(held(&store, 0, 100..120, 2), vec![true; 20]);
+        // A new report over the tail's first block links nothing stale.
+        store
+            .write()
+            .hold(0, &keys(0, 0..16)[..], claim(3, 5), &mut h);
+        assert!(branch_entry(&store, 0, 100).is_none());
     }
 
     #[test]

@@ -68,6 +68,11 @@ impl Probe {
             tag: (mixed >> 32).max(1) << 32,
         }
     }
+
+    /// The 32-bit tag.
+    pub fn tag(self) -> u32 {
+        (self.tag >> 32) as u32
+    }
 }
 
 #[derive(Debug, Default)]
