@@ -20,31 +20,34 @@
 //! run freed) costs a wasted prefetch, never a wrong answer, and an entry
 //! the writer is rewriting may be read half old, half new.
 //!
-//! Open addressing with linear probing over entries of four words: the key
+//! Open addressing with linear probing over entries of two words: the key
 //! word (the next run's first key's 32-bit tag in the upper half, the run
-//! id in the lower; 0 empty, 1 removed) and three address words. The one
-//! writer fills the address words before the key word (`Release`), updates
-//! them in place when the run's body moves, and turns the key word into a
+//! id in the lower; 0 empty, 1 removed) and the lines word. The one writer
+//! fills the lines word before the key word (`Release`), updates it in
+//! place when the run's data moves, and turns the key word into a
 //! tombstone on removal; growth copies the live entries into a new table
-//! that the store swaps in. Most runs have no branch table; a shared head
-//! has one entry per conversation that continues it.
+//! that the store swaps in. A table holds about a third more entries than
+//! it has live ones (not a power of two: the home entry is the tag scaled
+//! to the size), so a shared head's table costs about 21 bytes per run
+//! that continues it. Most runs have no branch table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
-const WORDS: usize = 4;
+const WORDS: usize = 2;
 /// Entries in a new table.
 const MIN_ENTRIES: usize = 4;
 
 /// What a lookup prefetches of one run: opaque to this table.
-pub(crate) type Lines = [u64; 3];
+pub(crate) type Lines = u64;
 
 /// One run's branch table.
 #[derive(Debug)]
 pub(crate) struct Branches {
     words: Box<[AtomicU64]>,
-    mask: usize,
+    /// Entries (not a power of two).
+    n: usize,
     /// Entries taken, tombstones included (the writer's count).
     used: AtomicU64,
     live: AtomicU64,
@@ -64,10 +67,10 @@ fn bump(counter: &AtomicU64, delta: i64) {
 
 impl Branches {
     fn with_entries(n: usize) -> Self {
-        let n = n.max(MIN_ENTRIES).next_power_of_two();
+        let n = n.max(MIN_ENTRIES);
         Self {
             words: (0..n * WORDS).map(|_| AtomicU64::new(EMPTY)).collect(),
-            mask: n - 1,
+            n,
             used: AtomicU64::new(0),
             live: AtomicU64::new(0),
         }
@@ -77,12 +80,16 @@ impl Branches {
         &self.words[i * WORDS]
     }
 
-    fn lines_at(&self, i: usize) -> &[AtomicU64] {
-        &self.words[i * WORDS + 1..(i + 1) * WORDS]
+    fn lines_at(&self, i: usize) -> &AtomicU64 {
+        &self.words[i * WORDS + 1]
     }
 
     fn home(&self, tag: u32) -> usize {
-        tag as usize & self.mask
+        ((u64::from(tag) * self.n as u64) >> 32) as usize
+    }
+
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.n { 0 } else { i + 1 }
     }
 
     /// The run continuing here whose first key carries `tag`, and its
@@ -90,19 +97,15 @@ impl Branches {
     /// and then a prefetch is wasted).
     pub fn find(&self, tag: u32) -> Option<(u32, Lines)> {
         let mut i = self.home(tag);
-        for _ in 0..=self.mask {
+        for _ in 0..self.n {
             let key = self.key_at(i).load(Ordering::Acquire);
             if key == EMPTY {
                 return None;
             }
             if key != TOMB && (key >> 32) as u32 == tag {
-                let lines = self.lines_at(i);
-                return Some((
-                    key as u32,
-                    [0, 1, 2].map(|k| lines[k].load(Ordering::Relaxed)),
-                ));
+                return Some((key as u32, self.lines_at(i).load(Ordering::Relaxed)));
             }
-            i = (i + 1) & self.mask;
+            i = self.next(i);
         }
         None
     }
@@ -112,7 +115,7 @@ impl Branches {
         let want = u64::from(tag) << 32 | u64::from(run);
         let mut i = self.home(tag);
         let mut free = None;
-        for _ in 0..=self.mask {
+        for _ in 0..self.n {
             let key = self.key_at(i).load(Ordering::Relaxed);
             if key == want {
                 return Ok(i);
@@ -123,7 +126,7 @@ impl Branches {
             if key == TOMB && free.is_none() {
                 free = Some(i);
             }
-            i = (i + 1) & self.mask;
+            i = self.next(i);
         }
         Err(free)
     }
@@ -132,6 +135,7 @@ impl Branches {
     /// lines; false when the table has no room left for a new entry (the
     /// caller grows it).
     pub fn set(&self, tag: u32, run: u32, lines: Lines) -> bool {
+        debug_assert_ne!(tag, 0, "a key-table tag is never 0");
         let at = match self.slot(tag, run) {
             Ok(i) => i,
             Err(Some(i)) if self.used.load(Ordering::Relaxed) < self.limit() as u64 => {
@@ -143,9 +147,7 @@ impl Branches {
             }
             Err(_) => return false,
         };
-        for (word, value) in self.lines_at(at).iter().zip(lines) {
-            word.store(value, Ordering::Relaxed);
-        }
+        self.lines_at(at).store(lines, Ordering::Relaxed);
         self.key_at(at)
             .store(u64::from(tag) << 32 | u64::from(run), Ordering::Release);
         true
@@ -154,9 +156,7 @@ impl Branches {
     /// Updates the lines of `run` if it is named here.
     pub fn update(&self, tag: u32, run: u32, lines: Lines) {
         if let Ok(i) = self.slot(tag, run) {
-            for (word, value) in self.lines_at(i).iter().zip(lines) {
-                word.store(value, Ordering::Relaxed);
-            }
+            self.lines_at(i).store(lines, Ordering::Relaxed);
         }
     }
 
@@ -170,7 +170,7 @@ impl Branches {
 
     /// Entries taken before the table counts as full: three quarters.
     fn limit(&self) -> usize {
-        (self.mask + 1) * 3 / 4
+        self.n * 3 / 4
     }
 
     /// Live entries.
@@ -180,24 +180,23 @@ impl Branches {
 
     /// The runs named here.
     pub fn runs(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..=self.mask).filter_map(|i| {
+        (0..self.n).filter_map(|i| {
             let key = self.key_at(i).load(Ordering::Relaxed);
             (key != EMPTY && key != TOMB).then_some(key as u32)
         })
     }
 
-    /// A copy with room for one more entry: the live entries, in a table
-    /// twice as large unless tombstones took the room.
+    /// A copy with room for more entries: the live entries, in a table
+    /// half again as large as they need (two thirds full).
     pub fn grown(&self) -> Self {
-        let next = Self::with_entries((self.len() + 1) * 2);
-        for i in 0..=self.mask {
+        let next = Self::with_entries((self.len() + 1) * 3 / 2 + 1);
+        for i in 0..self.n {
             let key = self.key_at(i).load(Ordering::Relaxed);
             if key != EMPTY && key != TOMB {
-                let lines = self.lines_at(i);
                 let placed = next.set(
                     (key >> 32) as u32,
                     key as u32,
-                    [0, 1, 2].map(|k| lines[k].load(Ordering::Relaxed)),
+                    self.lines_at(i).load(Ordering::Relaxed),
                 );
                 debug_assert!(placed, "a grown table has room for every live entry");
             }
@@ -210,51 +209,68 @@ impl Branches {
 mod tests {
     use super::Branches;
 
+    /// A tag whose home entry in a table of `n` entries is `at`.
+    fn tag_at(at: usize, n: usize, salt: u32) -> u32 {
+        ((at as u64) << 32).div_ceil(n as u64) as u32 + salt
+    }
+
     #[test]
     fn set_find_update_remove_and_grow() {
         let t = Branches::default();
-        assert!(t.find(7).is_none());
-        assert!(t.set(7, 1, [10, 11, 12]));
-        assert!(t.set(7 + 4, 2, [20, 21, 22]), "same home, next slot");
-        assert!(t.set(9, 3, [30, 31, 32]));
-        assert_eq!(t.find(7), Some((1, [10, 11, 12])));
-        assert_eq!(t.find(11), Some((2, [20, 21, 22])));
+        let (a, b, c) = (tag_at(1, 4, 0), tag_at(1, 4, 1), tag_at(3, 4, 0));
+        assert!(t.find(a).is_none());
+        assert!(t.set(a, 1, 10));
+        assert!(t.set(b, 2, 20), "same home, next entry");
+        assert!(t.set(c, 3, 30));
+        assert_eq!(t.find(a), Some((1, 10)));
+        assert_eq!(t.find(b), Some((2, 20)));
         // Three of four entries: full.
-        assert!(!t.set(5, 4, [40, 41, 42]));
-        t.update(7, 1, [13, 14, 15]);
-        assert_eq!(t.find(7), Some((1, [13, 14, 15])));
+        assert!(!t.set(tag_at(0, 4, 1), 4, 40));
+        t.update(a, 1, 13);
+        assert_eq!(t.find(a), Some((1, 13)));
         // An update of a run not named changes nothing.
-        t.update(7, 9, [0, 0, 0]);
-        assert_eq!(t.find(7), Some((1, [13, 14, 15])));
-        t.remove(7, 1);
+        t.update(a, 9, 0);
+        assert_eq!(t.find(a), Some((1, 13)));
+        t.remove(a, 1);
         assert_eq!(t.len(), 2);
-        assert!(t.find(7).is_none());
+        assert!(t.find(a).is_none());
         // The entry past the tombstone is still found.
-        assert_eq!(t.find(11), Some((2, [20, 21, 22])));
+        assert_eq!(t.find(b), Some((2, 20)));
         let g = t.grown();
         assert_eq!(g.len(), 2);
-        assert_eq!(g.find(11), Some((2, [20, 21, 22])));
-        assert_eq!(g.find(9), Some((3, [30, 31, 32])));
-        assert!(g.set(5, 4, [40, 41, 42]));
+        assert_eq!(g.find(b), Some((2, 20)));
+        assert_eq!(g.find(c), Some((3, 30)));
+        assert!(g.set(tag_at(0, 4, 1), 4, 40));
         assert_eq!(g.runs().count(), 3);
     }
 
     #[test]
-    fn a_full_table_of_tombstones_grows_back_to_its_live_entries() {
+    fn a_table_stays_within_half_again_its_live_entries() {
         let mut t = Branches::default();
-        for run in 0..100u32 {
-            if !t.set(run, run, [u64::from(run); 3]) {
+        let tag = |run: u32| run.wrapping_mul(0x9E37_79B9) | 1;
+        for run in 0..1000u32 {
+            if !t.set(tag(run), run, u64::from(run)) {
                 t = t.grown();
-                assert!(t.set(run, run, [u64::from(run); 3]));
+                assert!(t.set(tag(run), run, u64::from(run)));
             }
-            if run >= 2 {
-                t.remove(run - 2, run - 2);
-            }
+            assert!(
+                t.n <= (t.len() * 3 / 2 + 2).max(4) * 4 / 3 + 1,
+                "{} entries for {}",
+                t.n,
+                t.len()
+            );
         }
-        assert_eq!(t.len(), 2);
-        assert!(t.mask < 8, "{} entries for two live ones", t.mask + 1);
-        assert_eq!(t.find(99), Some((99, [99; 3])));
-        assert_eq!(t.find(98), Some((98, [98; 3])));
-        assert!(t.find(97).is_none());
+        for run in 0..1000u32 {
+            assert_eq!(t.find(tag(run)), Some((run, u64::from(run))));
+        }
+        // Removals leave tombstones; growth packs the live entries again.
+        for run in 0..990u32 {
+            t.remove(tag(run), run);
+        }
+        let g = t.grown();
+        assert_eq!(g.len(), 10);
+        assert!(g.n < 20, "{} entries for 10", g.n);
+        assert_eq!(g.find(tag(995)), Some((995, 995)));
+        assert!(g.find(tag(5)).is_none());
     }
 }
