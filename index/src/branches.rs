@@ -20,27 +20,27 @@
 //! run freed) costs a wasted prefetch, never a wrong answer, and an entry
 //! the writer is rewriting may be read half old, half new.
 //!
-//! Open addressing with linear probing over entries of two words: the key
-//! word (the next run's first key's 32-bit tag in the upper half, the run
-//! id in the lower; 0 empty, 1 removed) and the lines word. The one writer
-//! fills the lines word before the key word (`Release`), updates it in
-//! place when the run's data moves, and turns the key word into a
+//! Open addressing with linear probing over entries of three words: the
+//! key word (the next run's first key's 32-bit tag in the upper half, the
+//! run id in the lower; 0 empty, 1 removed) and two address words. The one
+//! writer fills the address words before the key word (`Release`), updates
+//! them in place when the run's body moves, and turns the key word into a
 //! tombstone on removal; growth copies the live entries into a new table
 //! that the store swaps in. A table holds about a third more entries than
 //! it has live ones (not a power of two: the home entry is the tag scaled
-//! to the size), so a shared head's table costs about 21 bytes per run
+//! to the size), so a shared head's table costs about 32 bytes per run
 //! that continues it. Most runs have no branch table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
-const WORDS: usize = 2;
+const WORDS: usize = 3;
 /// Entries in a new table.
 const MIN_ENTRIES: usize = 4;
 
 /// What a lookup prefetches of one run: opaque to this table.
-pub(crate) type Lines = u64;
+pub(crate) type Lines = [u64; 2];
 
 /// One run's branch table.
 #[derive(Debug)]
@@ -80,8 +80,19 @@ impl Branches {
         &self.words[i * WORDS]
     }
 
-    fn lines_at(&self, i: usize) -> &AtomicU64 {
-        &self.words[i * WORDS + 1]
+    fn lines_at(&self, i: usize) -> &[AtomicU64] {
+        &self.words[i * WORDS + 1..(i + 1) * WORDS]
+    }
+
+    fn lines(&self, i: usize) -> Lines {
+        let words = self.lines_at(i);
+        [0, 1].map(|k| words[k].load(Ordering::Relaxed))
+    }
+
+    fn set_lines(&self, i: usize, lines: Lines) {
+        for (word, value) in self.lines_at(i).iter().zip(lines) {
+            word.store(value, Ordering::Relaxed);
+        }
     }
 
     fn home(&self, tag: u32) -> usize {
@@ -103,7 +114,7 @@ impl Branches {
                 return None;
             }
             if key != TOMB && (key >> 32) as u32 == tag {
-                return Some((key as u32, self.lines_at(i).load(Ordering::Relaxed)));
+                return Some((key as u32, self.lines(i)));
             }
             i = self.next(i);
         }
@@ -147,7 +158,7 @@ impl Branches {
             }
             Err(_) => return false,
         };
-        self.lines_at(at).store(lines, Ordering::Relaxed);
+        self.set_lines(at, lines);
         self.key_at(at)
             .store(u64::from(tag) << 32 | u64::from(run), Ordering::Release);
         true
@@ -156,7 +167,7 @@ impl Branches {
     /// Updates the lines of `run` if it is named here.
     pub fn update(&self, tag: u32, run: u32, lines: Lines) {
         if let Ok(i) = self.slot(tag, run) {
-            self.lines_at(i).store(lines, Ordering::Relaxed);
+            self.set_lines(i, lines);
         }
     }
 
@@ -193,11 +204,7 @@ impl Branches {
         for i in 0..self.n {
             let key = self.key_at(i).load(Ordering::Relaxed);
             if key != EMPTY && key != TOMB {
-                let placed = next.set(
-                    (key >> 32) as u32,
-                    key as u32,
-                    self.lines_at(i).load(Ordering::Relaxed),
-                );
+                let placed = next.set((key >> 32) as u32, key as u32, self.lines(i));
                 debug_assert!(placed, "a grown table has room for every live entry");
             }
         }
@@ -219,28 +226,28 @@ mod tests {
         let t = Branches::default();
         let (a, b, c) = (tag_at(1, 4, 0), tag_at(1, 4, 1), tag_at(3, 4, 0));
         assert!(t.find(a).is_none());
-        assert!(t.set(a, 1, 10));
-        assert!(t.set(b, 2, 20), "same home, next entry");
-        assert!(t.set(c, 3, 30));
-        assert_eq!(t.find(a), Some((1, 10)));
-        assert_eq!(t.find(b), Some((2, 20)));
+        assert!(t.set(a, 1, [10, 11]));
+        assert!(t.set(b, 2, [20, 21]), "same home, next entry");
+        assert!(t.set(c, 3, [30, 31]));
+        assert_eq!(t.find(a), Some((1, [10, 11])));
+        assert_eq!(t.find(b), Some((2, [20, 21])));
         // Three of four entries: full.
-        assert!(!t.set(tag_at(0, 4, 1), 4, 40));
-        t.update(a, 1, 13);
-        assert_eq!(t.find(a), Some((1, 13)));
+        assert!(!t.set(tag_at(0, 4, 1), 4, [40, 41]));
+        t.update(a, 1, [13, 14]);
+        assert_eq!(t.find(a), Some((1, [13, 14])));
         // An update of a run not named changes nothing.
-        t.update(a, 9, 0);
-        assert_eq!(t.find(a), Some((1, 13)));
+        t.update(a, 9, [0, 0]);
+        assert_eq!(t.find(a), Some((1, [13, 14])));
         t.remove(a, 1);
         assert_eq!(t.len(), 2);
         assert!(t.find(a).is_none());
         // The entry past the tombstone is still found.
-        assert_eq!(t.find(b), Some((2, 20)));
+        assert_eq!(t.find(b), Some((2, [20, 21])));
         let g = t.grown();
         assert_eq!(g.len(), 2);
-        assert_eq!(g.find(b), Some((2, 20)));
-        assert_eq!(g.find(c), Some((3, 30)));
-        assert!(g.set(tag_at(0, 4, 1), 4, 40));
+        assert_eq!(g.find(b), Some((2, [20, 21])));
+        assert_eq!(g.find(c), Some((3, [30, 31])));
+        assert!(g.set(tag_at(0, 4, 1), 4, [40, 41]));
         assert_eq!(g.runs().count(), 3);
     }
 
@@ -249,9 +256,9 @@ mod tests {
         let mut t = Branches::default();
         let tag = |run: u32| run.wrapping_mul(0x9E37_79B9) | 1;
         for run in 0..1000u32 {
-            if !t.set(tag(run), run, u64::from(run)) {
+            if !t.set(tag(run), run, [u64::from(run); 2]) {
                 t = t.grown();
-                assert!(t.set(tag(run), run, u64::from(run)));
+                assert!(t.set(tag(run), run, [u64::from(run); 2]));
             }
             assert!(
                 t.n <= (t.len() * 3 / 2 + 2).max(4) * 4 / 3 + 1,
@@ -261,7 +268,7 @@ mod tests {
             );
         }
         for run in 0..1000u32 {
-            assert_eq!(t.find(tag(run)), Some((run, u64::from(run))));
+            assert_eq!(t.find(tag(run)), Some((run, [u64::from(run); 2])));
         }
         // Removals leave tombstones; growth packs the live entries again.
         for run in 0..990u32 {
@@ -270,7 +277,7 @@ mod tests {
         let g = t.grown();
         assert_eq!(g.len(), 10);
         assert!(g.n < 20, "{} entries for 10", g.n);
-        assert_eq!(g.find(tag(995)), Some((995, 995)));
+        assert_eq!(g.find(tag(995)), Some((995, [995; 2])));
         assert!(g.find(tag(5)).is_none());
     }
 }

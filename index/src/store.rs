@@ -911,18 +911,25 @@ pub(crate) struct Row {
 }
 
 /// The lines a lookup reads first in a run it enters at position 0, as a
-/// branch table keeps them: the data's address, with its block capacity
-/// in the top byte (which places the prefix words).
+/// branch table keeps them: the body's address, and the data's address
+/// with its block capacity in the top byte (which places the prefix words).
 fn lines_of(body: &Body) -> Lines {
     let data = &body.data;
-    data.words.as_ptr() as u64 & Hint::ADDRESS | (data.cap() as u64) << 56
+    [
+        std::ptr::from_ref(body) as u64,
+        data.words.as_ptr() as u64 & Hint::ADDRESS | (data.cap() as u64) << 56,
+    ]
 }
 
-/// Starts the misses on the lines of [`lines_of`]: the hash words from
-/// position 0 to the capacity and the first row slots' prefix words.
-fn prefetch_lines(lines: Lines) {
-    let words = (lines & Hint::ADDRESS) as usize as *const AtomicU64;
-    let cap = (lines >> 56) as usize;
+/// Starts the misses on the lines of [`lines_of`]: the body, the hash
+/// words from position 0 to the capacity and the first row slots' prefix
+/// words.
+fn prefetch_lines([body, data]: Lines) {
+    let body = body as usize as *const u8;
+    prefetch_ptr(body);
+    prefetch_ptr(body.wrapping_add(64));
+    let words = (data & Hint::ADDRESS) as usize as *const AtomicU64;
+    let cap = (data >> 56) as usize;
     let mut at = 0;
     while at < HEAD + cap {
         prefetch_ptr(words.wrapping_add(at));
@@ -1476,8 +1483,9 @@ impl Reader<'_> {
     }
 
     /// Starts the misses of the run that `key` begins, if the run of
-    /// `ahead` names it in its branch table: its directory slot, hash words
-    /// and first prefix words, all at once (see the `branches` module).
+    /// `ahead` names it in its branch table: its directory slot, body, hash
+    /// words and first prefix words, all at once (see the `branches`
+    /// module).
     pub fn touch_next(&self, ahead: &Ahead<'_>, key: &Key<'_>) {
         let Some((run, lines)) = ahead.next.and_then(|b| b.find(key.probe.tag())) else {
             return;
