@@ -510,10 +510,37 @@ impl RunSlot {
 const USED_ROWS: usize = 0;
 const HEAD: usize = 1;
 
+/// [`RunData::uniform`] of a run that stores each position's token count.
+const COUNTED: u32 = u32::MAX;
+
+/// Words of stored token counts for `cap` positions: two to a word, or
+/// none when every position has the run's one count.
+fn count_words(cap: usize, uniform: u32) -> usize {
+    if uniform == COUNTED {
+        cap.div_ceil(2)
+    } else {
+        0
+    }
+}
+
+/// The count every one of `counts` has, or [`COUNTED`] when they differ
+/// (or one is [`COUNTED`] itself).
+fn uniform_count(mut counts: impl Iterator<Item = u32>) -> u32 {
+    let Some(first) = counts.next() else {
+        return COUNTED;
+    };
+    if counts.all(|c| c == first) {
+        first
+    } else {
+        COUNTED
+    }
+}
+
 /// The arrays of a run, changed in place by the writer: the header, the
-/// hashes, the token counts (two per word) and the cells (`row_cap × cap`,
-/// row slot major) in one allocation, so a reader reaches all of them from
-/// the body in one step.
+/// hashes, the token counts (two per word; none while every position has
+/// the same count, as engines' full blocks do) and the cells (`row_cap ×
+/// cap`, row slot major) in one allocation, so a reader reaches all of
+/// them from the body in one step.
 #[derive(Debug, Clone)]
 struct RunData {
     words: Arc<[AtomicU64]>,
@@ -521,11 +548,15 @@ struct RunData {
     /// Block and row capacity of `words` (fixed for the allocation).
     cap: u32,
     row_cap: u32,
+    /// The token count of every position, or [`COUNTED`] when the counts
+    /// are stored (fixed for the allocation: a count the run cannot take
+    /// rebuilds it with stored counts). 4 bytes per block at one holder.
+    uniform: u32,
 }
 
 impl RunData {
-    fn new(cap: usize, row_cap: usize, wide: bool) -> Self {
-        let n = HEAD + cap + cap.div_ceil(2) + row_cap + row_cap * cap;
+    fn new(cap: usize, row_cap: usize, wide: bool, uniform: u32) -> Self {
+        let n = HEAD + cap + count_words(cap, uniform) + row_cap + row_cap * cap;
         // Zeroed by the allocator: memory fresh from the system needs no
         // clearing pass.
         #[expect(
@@ -541,17 +572,25 @@ impl RunData {
             wide: wide.then(|| Arc::new((0..cap).map(|_| OnceLock::new()).collect())),
             cap: cap as u32,
             row_cap: row_cap as u32,
+            uniform,
         }
     }
 
     /// A copy of `old`'s first `len` positions with block capacity `cap`
     /// and `row_cap` row slots, slot `s` holding the cells and prefix of
     /// `old`'s slot `from[s]` (none: an empty slot), `from.len()` of them
-    /// handed out. Every word is written once, copied or zero, into memory
-    /// the allocator did not clear (a rebuild would otherwise write each
-    /// word twice).
-    fn copied(old: &Self, len: usize, cap: usize, row_cap: usize, from: &[Option<usize>]) -> Self {
-        let counts = cap.div_ceil(2);
+    /// handed out, and its counts stored (`uniform` [`COUNTED`]) or not
+    /// (`uniform` then `old`'s). Every word is written once, copied or
+    /// zero, into memory the allocator did not clear (a rebuild would
+    /// otherwise write each word twice).
+    fn copied(
+        old: &Self,
+        len: usize,
+        (cap, row_cap, uniform): (usize, usize, u32),
+        from: &[Option<usize>],
+    ) -> Self {
+        debug_assert!(uniform == COUNTED || uniform == old.uniform);
+        let counts = count_words(cap, uniform);
         let n = HEAD + cap + counts + row_cap + row_cap * cap;
         let mut words = Arc::<[AtomicU64]>::new_uninit_slice(n);
         let mut fill = Fill {
@@ -560,8 +599,16 @@ impl RunData {
         };
         fill.word(from.len() as u64);
         fill.copy(&old.words[HEAD..HEAD + len], cap);
-        let old_counts = HEAD + old.cap();
-        fill.copy(&old.words[old_counts..old_counts + len.div_ceil(2)], counts);
+        if old.counted() {
+            let old_counts = HEAD + old.cap();
+            fill.copy(&old.words[old_counts..old_counts + len.div_ceil(2)], counts);
+        } else if counts > 0 {
+            // Every position below `len` had the one count; past it, 0.
+            let count = |pos: usize| if pos < len { u64::from(old.uniform) } else { 0 };
+            for w in 0..counts {
+                fill.word(count(2 * w) | count(2 * w + 1) << 32);
+            }
+        }
         for slot in 0..row_cap {
             let prefix = from.get(slot).copied().flatten().map(|f| old.prefix(f));
             fill.word(prefix.map_or(0, |p| p.load(Ordering::Relaxed)));
@@ -594,7 +641,25 @@ impl RunData {
             wide,
             cap: cap as u32,
             row_cap: row_cap as u32,
+            uniform,
         }
+    }
+
+    /// Whether each position's token count is stored.
+    fn counted(&self) -> bool {
+        self.uniform == COUNTED
+    }
+
+    /// Whether the run can take token counts `count(k)` for `k` in `0..n`
+    /// as they are: it stores counts, or they are all its one count.
+    fn takes_counts(&self, n: usize, count: impl Fn(usize) -> u32) -> bool {
+        self.counted() || (0..n).all(|k| count(k) == self.uniform)
+    }
+
+    /// The stored counts' words (none for a run of one count).
+    fn count_slice(&self) -> &[AtomicU64] {
+        let cap = self.cap();
+        &self.words[HEAD + cap..HEAD + cap + count_words(cap, self.uniform)]
     }
 
     fn cap(&self) -> usize {
@@ -623,11 +688,21 @@ impl RunData {
     }
 
     fn count(&self, pos: usize) -> u32 {
+        if !self.counted() {
+            return self.uniform;
+        }
         (self.count_word(pos).load(Ordering::Relaxed) >> ((pos & 1) * 32)) as u32
     }
 
-    /// Sets a token count (writer only: the other half of the word stays).
+    /// Sets a token count (writer only: the other half of the word stays;
+    /// a run of one count takes only that one, see [`takes_counts`]).
+    ///
+    /// [`takes_counts`]: Self::takes_counts
     fn set_count(&self, pos: usize, count: u32) {
+        if !self.counted() {
+            debug_assert_eq!(count, self.uniform, "a count the run cannot take");
+            return;
+        }
         let word = self.count_word(pos);
         let shift = (pos & 1) * 32;
         let old = word.load(Ordering::Relaxed);
@@ -641,8 +716,11 @@ impl RunData {
     /// for `k` in `0..n` (writer only), two to a word where both halves
     /// are set; a word is stored only where it changes.
     fn set_counts(&self, from: usize, n: usize, count: impl Fn(usize) -> u32) {
-        let cap = self.cap();
-        let words = &self.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        if !self.counted() {
+            debug_assert!(self.takes_counts(n, count), "counts the run cannot take");
+            return;
+        }
+        let words = self.count_slice();
         let mut k = 0;
         while k < n {
             let pos = from + k;
@@ -665,7 +743,7 @@ impl RunData {
     /// Where the prefix words start in `words`; the cells follow them.
     fn prefixes_at(&self) -> usize {
         let cap = self.cap();
-        HEAD + cap + cap.div_ceil(2)
+        HEAD + cap + count_words(cap, self.uniform)
     }
 
     /// The [`Prefix`] word of row slot `slot`.
@@ -912,13 +990,25 @@ pub(crate) struct Row {
 
 /// The lines a lookup reads first in a run it enters at position 0, as a
 /// branch table keeps them: the body's address, and the data's address
-/// with its block capacity in the top byte (which places the prefix words).
+/// with its block capacity and whether it stores counts in the top byte
+/// (which place the prefix words).
 fn lines_of(body: &Body) -> Lines {
     let data = &body.data;
+    let top = data.cap() as u64 | u64::from(data.counted()) << 7;
     [
         std::ptr::from_ref(body) as u64,
-        data.words.as_ptr() as u64 & Hint::ADDRESS | (data.cap() as u64) << 56,
+        data.words.as_ptr() as u64 & Hint::ADDRESS | top << 56,
     ]
+}
+
+/// The data's words, their block capacity and the first prefix word, as
+/// a [`lines_of`] word places them.
+fn placed(data: u64) -> (*const AtomicU64, usize, *const AtomicU64) {
+    let words = (data & Hint::ADDRESS) as usize as *const AtomicU64;
+    let top = (data >> 56) as usize;
+    let cap = top & 0x7F;
+    let counts = if top & 0x80 == 0 { 0 } else { cap.div_ceil(2) };
+    (words, cap, words.wrapping_add(HEAD + cap + counts))
 }
 
 /// Starts the misses on the lines of [`lines_of`]: the body, the hash
@@ -928,14 +1018,13 @@ fn prefetch_lines([body, data]: Lines) {
     let body = body as usize as *const u8;
     prefetch_ptr(body);
     prefetch_ptr(body.wrapping_add(64));
-    let words = (data & Hint::ADDRESS) as usize as *const AtomicU64;
-    let cap = (data >> 56) as usize;
+    let (words, cap, prefixes) = placed(data);
     let mut at = 0;
     while at < HEAD + cap {
         prefetch_ptr(words.wrapping_add(at));
         at += 8;
     }
-    prefetch_ptr(words.wrapping_add(HEAD + cap + cap.div_ceil(2)));
+    prefetch_ptr(prefixes);
 }
 
 /// What a reader sees of a run: partition, published length, rows (sorted
@@ -1674,6 +1763,18 @@ impl Writing<'_> {
         body
     }
 
+    /// Rebuilds `run` to store each position's token count (it kept one
+    /// count for all), for a count it could not take.
+    fn keep_counts(&mut self, run: u32) {
+        let Some(body) = self.body(run).cloned() else {
+            return;
+        };
+        if !body.data.counted() {
+            let next = rebuilt_counting(&body, body.data.cap(), None, COUNTED);
+            self.publish(run, next);
+        }
+    }
+
     /// Names `run`, which starts right after a position of `parent` with
     /// the key of `probe`, in `parent`'s branch table (made or grown as
     /// needed).
@@ -1870,6 +1971,14 @@ impl Writing<'_> {
             return 1;
         };
         let n = 1 + blocks.held_from(first + 1, body, pos + 1, body.len());
+        // Counts the run cannot take as it is (it keeps one count for all
+        // its positions): it stores each position's from now on.
+        if !body.data.takes_counts(n, |k| blocks.count(first + k)) {
+            self.keep_counts(run);
+        }
+        let Some(body) = self.body(run) else {
+            return n;
+        };
         // The report leaves the run inside it: a later request that shares
         // this report's head likely leaves it there too.
         if first + n < blocks.len() && pos + n < body.len() {
@@ -1926,6 +2035,12 @@ impl Writing<'_> {
     }
 
     fn claim_at(&mut self, run: u32, pos: usize, count: u32, claim: Claim, h: &mut Holding) {
+        if self
+            .body(run)
+            .is_some_and(|b| !b.data.takes_counts(1, |_| count))
+        {
+            self.keep_counts(run);
+        }
         // The body is borrowed, not cloned: a reference count changed per
         // block costs an atomic instruction on the body's line.
         let w = &mut *self.w;
@@ -2068,9 +2183,12 @@ impl Writing<'_> {
                     h.refused += 1;
                     return (None, 1, None);
                 };
-                // The new run starts with the claiming replica's row.
+                // The new run starts with the claiming replica's row, and
+                // keeps one count for all its positions if the blocks it may
+                // take have one.
                 let cap = (blocks.len() - first).clamp(1, RUN_BLOCKS);
-                let data = RunData::new(cap, 1, wide);
+                let uniform = uniform_count((first..first + cap).map(|i| blocks.count(i)));
+                let data = RunData::new(cap, 1, wide, uniform);
                 data.set_used_rows(1);
                 let rows = Rows::from_slice(&[Row {
                     replica: claim.replica,
@@ -2093,6 +2211,15 @@ impl Writing<'_> {
         let Some(row) = self.ensure_row(run, claim.replica) else {
             return (None, 1, None);
         };
+        // A run of one count that the blocks it may take do not all have
+        // stores each position's count from now on.
+        let takes = self.body(run).is_none_or(|b| {
+            let n = (b.data.cap() - start).min(blocks.len() - first);
+            b.data.takes_counts(n, |k| blocks.count(first + k))
+        });
+        if !takes {
+            self.keep_counts(run);
+        }
         // One reference for the whole stretch: the table may grow (a new
         // table, `&mut self`) while the run's body stays.
         let Some(body) = self.body(run).cloned() else {
@@ -2101,7 +2228,7 @@ impl Writing<'_> {
         let data = &body.data;
         let slot = body.rows[row].slot as usize;
         let cap = data.cap();
-        let counts = &data.words[HEAD + cap..HEAD + cap + cap.div_ceil(2)];
+        let counts = data.count_slice();
         let cell = Cell::new(claim.last_seen, claim.tier, 0).0;
         // Start the table misses of the next few blocks (most likely new
         // as well) so that they are under way together; a block found in
@@ -2135,14 +2262,17 @@ impl Writing<'_> {
         let searched = loop {
             hashes[added].store(key.word, Ordering::Relaxed);
             // A position past the length has a zero count: an even one
-            // sets its word, an odd one the upper half of its word.
-            let count = u64::from(blocks.count(first + added));
-            let word = &counts[pos / 2];
-            if pos.is_multiple_of(2) {
-                word.store(count, Ordering::Relaxed);
-            } else {
-                let low = word.load(Ordering::Relaxed) & 0xFFFF_FFFF;
-                word.store(low | (count << 32), Ordering::Relaxed);
+            // sets its word, an odd one the upper half of its word (a run
+            // of one count has it already).
+            if !counts.is_empty() {
+                let count = u64::from(blocks.count(first + added));
+                let word = &counts[pos / 2];
+                if pos.is_multiple_of(2) {
+                    word.store(count, Ordering::Relaxed);
+                } else {
+                    let low = word.load(Ordering::Relaxed) & 0xFFFF_FFFF;
+                    word.store(low | (count << 32), Ordering::Relaxed);
+                }
             }
             if let (Some(wide), HashRef::Wide(bytes)) = (&data.wide, key.hash) {
                 let _ = wide[pos].set(bytes.into());
@@ -2392,6 +2522,12 @@ fn row_capacity(rows: usize) -> usize {
 /// A copy of `body` with `cap` block capacity, its live rows packed into
 /// fresh slots and a row for `add` if given.
 fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
+    rebuilt_counting(body, cap, add, body.data.uniform)
+}
+
+/// [`rebuilt`], storing each position's count if `uniform` is
+/// [`COUNTED`].
+fn rebuilt_counting(body: &Body, cap: usize, add: Option<ReplicaId>, uniform: u32) -> Body {
     /// Slot of a row that had none.
     const NEW: u32 = u32::MAX;
     let mut rows = body.rows.clone();
@@ -2408,7 +2544,12 @@ fn rebuilt(body: &Body, cap: usize, add: Option<ReplicaId>) -> Body {
         })
         .collect();
     let len = body.len();
-    let data = RunData::copied(&body.data, len, cap, row_capacity(rows.len()), &from);
+    let data = RunData::copied(
+        &body.data,
+        len,
+        (cap, row_capacity(rows.len()), uniform),
+        &from,
+    );
     // The same cells: each prefix holds for them as it is, and may reach
     // further if it was cut short.
     for (slot, from) in from.iter().enumerate() {
@@ -3042,6 +3183,119 @@ mod tests {
         assert!(w.w.branches.is_empty());
         assert!(w.w.bodies.iter().all(Option::is_none));
         assert_eq!(w.w.links[child as usize].parent, Link::NONE.parent);
+    }
+
+    /// The stored token counts of keys `range` (partition 0), and whether
+    /// each one's run stores counts.
+    fn counts_of(store: &Store, range: std::ops::Range<u64>) -> Vec<(u32, bool)> {
+        let reader = store.reader();
+        range
+            .map(|k| {
+                let (body, pos) = located(&reader, 0, k);
+                (body.count(pos), body.data.counted())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_run_of_one_token_count_stores_none() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        // Full blocks: one count for the run, no count words.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        assert_eq!(counts_of(&store, 0..40), vec![(16, false); 40]);
+        // A second holder rebuilds the run: still one count.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(2, 5), &mut h);
+        assert_eq!(counts_of(&store, 0..40), vec![(16, false); 40]);
+        {
+            let reader = store.reader();
+            let (body, _) = located(&reader, 0, 0);
+            assert_eq!(
+                body.data.words.len(),
+                HEAD + 40 + 2 + 2 * 40,
+                "no count words"
+            );
+        }
+        // A chain whose last block is partial stores its counts.
+        let mut partial = keys(0, 100..110);
+        partial[9].1 = 5;
+        store.write().hold(0, &partial[..], claim(1, 5), &mut h);
+        let mut want = vec![(16, true); 10];
+        want[9].0 = 5;
+        assert_eq!(counts_of(&store, 100..110), want);
+    }
+
+    #[test]
+    fn a_count_a_run_cannot_take_makes_it_store_them_all() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        store
+            .write()
+            .hold(0, &keys(0, 0..20)[..], claim(1, 5), &mut h);
+        // A claim of known blocks with other counts (a stretch).
+        let mut other = keys(0, 0..6);
+        other[5].1 = 7;
+        store.write().hold(0, &other[..], claim(2, 5), &mut h);
+        let mut want = vec![(16, true); 20];
+        want[5].0 = 7;
+        assert_eq!(counts_of(&store, 0..20), want);
+        // Block by block (no room left for a new cell: the count is still
+        // written).
+        let store = Store::default();
+        store
+            .write()
+            .hold(0, &keys(0, 0..20)[..], claim(1, 5), &mut h);
+        let mut other = keys(0, 3..4);
+        other[0].1 = 9;
+        store
+            .write()
+            .hold(0, &other[..], claim(2, 5), &mut holding(0));
+        let mut want = vec![(16, true); 20];
+        want[3].0 = 9;
+        assert_eq!(counts_of(&store, 0..20), want);
+        // An append of a block with another count to a run of one count.
+        let store = Store::default();
+        store
+            .write()
+            .hold(0, &keys(0, 0..10)[..], claim(1, 5), &mut h);
+        let mut longer = keys(0, 0..14);
+        longer[13].1 = 3;
+        store.write().hold(0, &longer[..], claim(1, 5), &mut h);
+        let mut want = vec![(16, true); 14];
+        want[13].0 = 3;
+        assert_eq!(counts_of(&store, 0..14), want);
+        // Appends and new holders keep them.
+        let mut longer = keys(0, 0..30);
+        longer[13].1 = 3;
+        store.write().hold(0, &longer[..], claim(2, 5), &mut h);
+        want.extend([(16, true); 16]);
+        assert_eq!(counts_of(&store, 0..30), want);
+    }
+
+    #[test]
+    fn branch_lines_place_the_prefix_words_with_and_without_counts() {
+        let store = Store::default();
+        let mut h = holding(10_000);
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        let mut partial = keys(0, 100..109);
+        partial[8].1 = 5;
+        store.write().hold(0, &partial[..], claim(1, 5), &mut h);
+        let reader = store.reader();
+        for k in [0, 100] {
+            let (body, _) = located(&reader, 0, k);
+            let [at, data] = lines_of(body);
+            assert_eq!(at, std::ptr::from_ref(body) as u64);
+            let (words, cap, prefixes) = placed(data);
+            assert_eq!(words, body.data.words.as_ptr());
+            assert_eq!(cap, body.data.cap());
+            assert_eq!(prefixes, std::ptr::from_ref(body.data.prefix(0)), "key {k}");
+        }
     }
 
     #[test]
