@@ -12,8 +12,10 @@
 //!   order — one probe per run, not per block — re-probing only where the
 //!   request leaves the run. Holes are exact: a holder that lost a block in
 //!   the middle has a cleared cell there and its match stops at it. A run's
-//!   hashes, counts (two per word) and cells are one allocation
-//!   ([`RunData`]); its published length and capacities sit in the body, so
+//!   hashes, counts (two per word, or one count for the run while all its
+//!   blocks have it, as an engine's full blocks do) and cells are one
+//!   allocation ([`RunData`]); its published length and capacities sit in
+//!   the body, so
 //!   once a reader has the body it knows the address of every line it needs
 //!   and starts their misses together.
 //! - Each row slot keeps a **prefix word** ([`Prefix`]): how many leading
@@ -42,7 +44,8 @@
 //!   (the `branches` module): for each run that starts right after it, that
 //!   run's body, hash and prefix-word addresses, so a lookup starts all of
 //!   the next run's misses as soon as it knows where it will leave this
-//!   one, instead of three dependent misses one after the other. Row slots of a run are never
+//!   one, instead of three dependent misses one after the other. Row slots
+//!   of a run are never
 //!   reused while the run data lives, so a row index a reader loaded never
 //!   points at another replica's cells.
 //! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
@@ -70,12 +73,13 @@
 //! - **Per-replica run sets** make ALL_CLEARED cost what the replica held,
 //!   and a run whose last cell goes is freed with its keys at once.
 //!
-//! Memory per block: 8 (hash) + 4 (token count) + 8 per row slot (cell;
-//! exactly one or two slots for one or two holders, half again as many
-//! beyond) + the key table's 8-byte slot at 3/8–3/4 load, plus a run
-//! header, a 24-byte directory slot and a prefix word per row slot shared
-//! by the run's blocks, and 32 bytes at 3/8–3/4 load in its parent's
-//! branch table for a run that continues another.
+//! Memory per block: 8 (hash) + 8 per row slot (cell; exactly one or two
+//! slots for one or two holders, half again as many beyond) + the key
+//! table's 8-byte slot at 3/8–3/4 load (+ 4 for its token count in a run
+//! whose blocks' counts differ), plus a run header, a 24-byte directory
+//! slot and a prefix word per row slot shared by the run's blocks, and
+//! about 32 bytes in its parent's branch table for a run that continues
+//! another.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
