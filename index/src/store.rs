@@ -1761,7 +1761,9 @@ impl Writing<'_> {
         self.retire(old.map(Retired::Body));
         // The run it continues names where its lines are now.
         let link = self.w.links[run as usize];
-        if let Some(table) = self.w.branches.get(&link.parent) {
+        if link.parent != Link::NONE.parent
+            && let Some(table) = self.w.branches.get(&link.parent)
+        {
             table.update(link.tag, run, lines_of(&body));
         }
         body
@@ -1783,10 +1785,10 @@ impl Writing<'_> {
     /// the key of `probe`, in `parent`'s branch table (made or grown as
     /// needed).
     fn link(&mut self, parent: u32, run: u32, probe: Probe) {
-        let Some(body) = self.body(run).cloned() else {
+        let Some(lines) = self.body(run).map(|b| lines_of(b)) else {
             return;
         };
-        let (tag, lines) = (probe.tag(), lines_of(&body));
+        let tag = probe.tag();
         let table = match self.w.branches.get(&parent) {
             Some(table) if table.set(tag, run, lines) => None,
             Some(table) => Some(table.grown()),
@@ -2180,6 +2182,16 @@ impl Writing<'_> {
                     let next = rebuilt(body, cap, None);
                     self.publish(run, next);
                 }
+                // A run of one count that the blocks it may take do not all
+                // have stores each position's count from now on (a new run
+                // below is made to fit its blocks).
+                let takes = self.body(run).is_none_or(|b| {
+                    let n = (b.data.cap() - (pos + 1)).min(blocks.len() - first);
+                    b.data.takes_counts(n, |k| blocks.count(first + k))
+                });
+                if !takes {
+                    self.keep_counts(run);
+                }
                 (run, pos + 1)
             }
             None => {
@@ -2215,15 +2227,6 @@ impl Writing<'_> {
         let Some(row) = self.ensure_row(run, claim.replica) else {
             return (None, 1, None);
         };
-        // A run of one count that the blocks it may take do not all have
-        // stores each position's count from now on.
-        let takes = self.body(run).is_none_or(|b| {
-            let n = (b.data.cap() - start).min(blocks.len() - first);
-            b.data.takes_counts(n, |k| blocks.count(first + k))
-        });
-        if !takes {
-            self.keep_counts(run);
-        }
         // One reference for the whole stretch: the table may grow (a new
         // table, `&mut self`) while the run's body stays.
         let Some(body) = self.body(run).cloned() else {
