@@ -33,6 +33,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::table::bump;
+
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
 const WORDS: usize = 3;
@@ -57,12 +59,6 @@ impl Default for Branches {
     fn default() -> Self {
         Self::with_entries(MIN_ENTRIES)
     }
-}
-
-/// Adds `delta` to a count only the writer changes.
-fn bump(counter: &AtomicU64, delta: i64) {
-    let next = counter.load(Ordering::Relaxed).wrapping_add_signed(delta);
-    counter.store(next, Ordering::Relaxed);
 }
 
 impl Branches {

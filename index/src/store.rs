@@ -3204,6 +3204,23 @@ mod tests {
             .collect()
     }
 
+    /// Keys `range` of 16 tokens each, but the `at`-th with `count`.
+    fn keys_but(
+        range: std::ops::Range<u64>,
+        (at, count): (usize, u32),
+    ) -> Vec<(Key<'static>, u32)> {
+        let mut out = keys(0, range);
+        out[at].1 = count;
+        out
+    }
+
+    /// `n` stored counts of 16, but the `at`-th `count`.
+    fn stored_but(n: usize, (at, count): (usize, u32)) -> Vec<(u32, bool)> {
+        let mut out = vec![(16, true); n];
+        out[at].0 = count;
+        out
+    }
+
     #[test]
     fn a_run_of_one_token_count_stores_none() {
         let store = Store::default();
@@ -3228,59 +3245,41 @@ mod tests {
             );
         }
         // A chain whose last block is partial stores its counts.
-        let mut partial = keys(0, 100..110);
-        partial[9].1 = 5;
+        let partial = keys_but(100..110, (9, 5));
         store.write().hold(0, &partial[..], claim(1, 5), &mut h);
-        let mut want = vec![(16, true); 10];
-        want[9].0 = 5;
-        assert_eq!(counts_of(&store, 100..110), want);
+        assert_eq!(counts_of(&store, 100..110), stored_but(10, (9, 5)));
     }
 
     #[test]
     fn a_count_a_run_cannot_take_makes_it_store_them_all() {
-        let store = Store::default();
         let mut h = holding(10_000);
-        store
-            .write()
-            .hold(0, &keys(0, 0..20)[..], claim(1, 5), &mut h);
+        let held = |range: std::ops::Range<u64>, h: &mut Holding| {
+            let store = Store::default();
+            store.write().hold(0, &keys(0, range)[..], claim(1, 5), h);
+            store
+        };
         // A claim of known blocks with other counts (a stretch).
-        let mut other = keys(0, 0..6);
-        other[5].1 = 7;
+        let store = held(0..20, &mut h);
+        let other = keys_but(0..6, (5, 7));
         store.write().hold(0, &other[..], claim(2, 5), &mut h);
-        let mut want = vec![(16, true); 20];
-        want[5].0 = 7;
-        assert_eq!(counts_of(&store, 0..20), want);
+        assert_eq!(counts_of(&store, 0..20), stored_but(20, (5, 7)));
         // Block by block (no room left for a new cell: the count is still
         // written).
-        let store = Store::default();
-        store
-            .write()
-            .hold(0, &keys(0, 0..20)[..], claim(1, 5), &mut h);
-        let mut other = keys(0, 3..4);
-        other[0].1 = 9;
+        let store = held(0..20, &mut h);
+        let other = keys_but(3..4, (0, 9));
         store
             .write()
             .hold(0, &other[..], claim(2, 5), &mut holding(0));
-        let mut want = vec![(16, true); 20];
-        want[3].0 = 9;
-        assert_eq!(counts_of(&store, 0..20), want);
+        assert_eq!(counts_of(&store, 0..20), stored_but(20, (3, 9)));
         // An append of a block with another count to a run of one count.
-        let store = Store::default();
-        store
-            .write()
-            .hold(0, &keys(0, 0..10)[..], claim(1, 5), &mut h);
-        let mut longer = keys(0, 0..14);
-        longer[13].1 = 3;
+        let store = held(0..10, &mut h);
+        let longer = keys_but(0..14, (13, 3));
         store.write().hold(0, &longer[..], claim(1, 5), &mut h);
-        let mut want = vec![(16, true); 14];
-        want[13].0 = 3;
-        assert_eq!(counts_of(&store, 0..14), want);
+        assert_eq!(counts_of(&store, 0..14), stored_but(14, (13, 3)));
         // Appends and new holders keep them.
-        let mut longer = keys(0, 0..30);
-        longer[13].1 = 3;
+        let longer = keys_but(0..30, (13, 3));
         store.write().hold(0, &longer[..], claim(2, 5), &mut h);
-        want.extend([(16, true); 16]);
-        assert_eq!(counts_of(&store, 0..30), want);
+        assert_eq!(counts_of(&store, 0..30), stored_but(30, (13, 3)));
     }
 
     #[test]
@@ -3290,8 +3289,7 @@ mod tests {
         store
             .write()
             .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
-        let mut partial = keys(0, 100..109);
-        partial[8].1 = 5;
+        let partial = keys_but(100..109, (8, 5));
         store.write().hold(0, &partial[..], claim(1, 5), &mut h);
         let reader = store.reader();
         for k in [0, 100] {

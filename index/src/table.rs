@@ -49,8 +49,9 @@ const TOMB: u64 = 1;
 /// Smallest table.
 const MIN_SLOTS: usize = 16;
 
-/// Adds `delta` to a counter only the writer changes.
-fn bump(counter: &AtomicU64, delta: i64) {
+/// Adds `delta` to a counter only the writer changes (a load and a store,
+/// not a locked add).
+pub(crate) fn bump(counter: &AtomicU64, delta: i64) {
     let next = counter.load(Ordering::Relaxed).wrapping_add_signed(delta);
     counter.store(next, Ordering::Relaxed);
 }
