@@ -30,6 +30,16 @@
 //! it has live ones (not a power of two: the home entry is the tag scaled
 //! to the size), so a shared head's table costs about 32 bytes per run
 //! that continues it. Most runs have no branch table.
+//!
+//! The same table, with wider entries, is the store's **heads table**: the
+//! runs others continue that continue no run themselves (a chain's first
+//! blocks, such as a shared system prompt), under their first key's tag,
+//! with the lines of their body and data, where a report last left them,
+//! and where their own branch table lies. A lookup finds it through the
+//! store, which every lookup keeps in cache, so it starts the first run's
+//! misses and those of the run it goes on in at once, instead of the key
+//! table's slot, the directory slot and the branch table one after the
+//! other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -37,16 +47,16 @@ use crate::table::bump;
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
-const WORDS: usize = 3;
 /// Entries in a new table.
 const MIN_ENTRIES: usize = 4;
 
 /// What a lookup prefetches of one run: opaque to this table.
 pub(crate) type Lines = [u64; 2];
 
-/// One run's branch table.
+/// One run's branch table (entries of a key word and `L` words a lookup
+/// reads, opaque to the table), or with wider entries the heads table.
 #[derive(Debug)]
-pub(crate) struct Branches {
+pub(crate) struct Branches<const L: usize = 2> {
     words: Box<[AtomicU64]>,
     /// Entries (not a power of two).
     n: usize,
@@ -55,17 +65,26 @@ pub(crate) struct Branches {
     live: AtomicU64,
 }
 
-impl Default for Branches {
+impl<const L: usize> Default for Branches<L> {
     fn default() -> Self {
         Self::with_entries(MIN_ENTRIES)
     }
 }
 
-impl Branches {
+/// Words of one entry of a table of `L` line words.
+const fn words_per_entry(lines: usize) -> usize {
+    lines + 1
+}
+
+impl<const L: usize> Branches<L> {
+    const WORDS: usize = words_per_entry(L);
+
     fn with_entries(n: usize) -> Self {
         let n = n.max(MIN_ENTRIES);
         Self {
-            words: (0..n * WORDS).map(|_| AtomicU64::new(EMPTY)).collect(),
+            words: (0..n * Self::WORDS)
+                .map(|_| AtomicU64::new(EMPTY))
+                .collect(),
             n,
             used: AtomicU64::new(0),
             live: AtomicU64::new(0),
@@ -73,26 +92,37 @@ impl Branches {
     }
 
     fn key_at(&self, i: usize) -> &AtomicU64 {
-        &self.words[i * WORDS]
+        &self.words[i * Self::WORDS]
     }
 
     fn lines_at(&self, i: usize) -> &[AtomicU64] {
-        &self.words[i * WORDS + 1..(i + 1) * WORDS]
+        &self.words[i * Self::WORDS + 1..(i + 1) * Self::WORDS]
     }
 
-    fn lines(&self, i: usize) -> Lines {
+    fn lines(&self, i: usize) -> [u64; L] {
         let words = self.lines_at(i);
-        [0, 1].map(|k| words[k].load(Ordering::Relaxed))
+        std::array::from_fn(|k| words[k].load(Ordering::Relaxed))
     }
 
-    fn set_lines(&self, i: usize, lines: Lines) {
+    fn set_lines(&self, i: usize, lines: [u64; L]) {
         for (word, value) in self.lines_at(i).iter().zip(lines) {
             word.store(value, Ordering::Relaxed);
         }
     }
 
     fn home(&self, tag: u32) -> usize {
-        ((u64::from(tag) * self.n as u64) >> 32) as usize
+        home_of(tag, self.n)
+    }
+
+    /// Where the table's entries lie and how many there are, in one word
+    /// (the address in the low 48 bits, the count above it, 0 past what
+    /// 16 bits hold), for [`home_line`].
+    pub fn place(&self) -> u64 {
+        let n = u64::try_from(self.n)
+            .ok()
+            .filter(|&n| n < 1 << 16)
+            .unwrap_or(0);
+        self.words.as_ptr() as u64 & ADDRESS | n << 48
     }
 
     fn next(&self, i: usize) -> usize {
@@ -102,7 +132,7 @@ impl Branches {
     /// The run continuing here whose first key carries `tag`, and its
     /// lines (the first such entry; tags of different keys may collide,
     /// and then a prefetch is wasted).
-    pub fn find(&self, tag: u32) -> Option<(u32, Lines)> {
+    pub fn find(&self, tag: u32) -> Option<(u32, [u64; L])> {
         let mut i = self.home(tag);
         for _ in 0..self.n {
             let key = self.key_at(i).load(Ordering::Acquire);
@@ -141,7 +171,7 @@ impl Branches {
     /// Names `run` (first key's tag `tag`) with `lines`, or updates its
     /// lines; false when the table has no room left for a new entry (the
     /// caller grows it).
-    pub fn set(&self, tag: u32, run: u32, lines: Lines) -> bool {
+    pub fn set(&self, tag: u32, run: u32, lines: [u64; L]) -> bool {
         debug_assert_ne!(tag, 0, "a key-table tag is never 0");
         let at = match self.slot(tag, run) {
             Ok(i) => i,
@@ -161,7 +191,7 @@ impl Branches {
     }
 
     /// Updates the lines of `run` if it is named here.
-    pub fn update(&self, tag: u32, run: u32, lines: Lines) {
+    pub fn update(&self, tag: u32, run: u32, lines: [u64; L]) {
         if let Ok(i) = self.slot(tag, run) {
             self.set_lines(i, lines);
         }
@@ -208,9 +238,26 @@ impl Branches {
     }
 }
 
+const ADDRESS: u64 = (1 << 48) - 1;
+
+/// The home entry of `tag` in a table of `n` entries.
+fn home_of(tag: u32, n: usize) -> usize {
+    ((u64::from(tag) * n as u64) >> 32) as usize
+}
+
+/// The address of the home entry of `tag` in the table of a
+/// [`Branches::place`] word of a table of `L` line words (its first entry
+/// when the word holds no count): for prefetching only, never read
+/// through.
+pub(crate) fn home_line<const L: usize>(place: u64, tag: u32) -> *const AtomicU64 {
+    let words = (place & ADDRESS) as usize as *const AtomicU64;
+    let n = (place >> 48) as usize;
+    words.wrapping_add(home_of(tag, n) * words_per_entry(L))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Branches;
+    use super::{Branches, home_line};
 
     /// A tag whose home entry in a table of `n` entries is `at`.
     fn tag_at(at: usize, n: usize, salt: u32) -> u32 {
@@ -275,5 +322,30 @@ mod tests {
         assert!(g.n < 20, "{} entries for 10", g.n);
         assert_eq!(g.find(tag(995)), Some((995, [995; 2])));
         assert!(g.find(tag(5)).is_none());
+    }
+
+    #[test]
+    fn wide_entries_and_the_home_line_of_a_place_word() {
+        let t: Branches<4> = Branches::default();
+        let (a, b) = (tag_at(2, 4, 0), tag_at(2, 4, 1));
+        assert!(t.set(a, 7, [1, 2, 3, 4]));
+        assert!(t.set(b, 8, [5, 6, 7, 8]));
+        assert_eq!(t.find(a), Some((7, [1, 2, 3, 4])));
+        assert_eq!(t.find(b), Some((8, [5, 6, 7, 8])));
+        t.update(b, 8, [9, 9, 9, 9]);
+        assert_eq!(t.grown().find(b), Some((8, [9, 9, 9, 9])));
+        // The home line of a tag is the address of its home entry's key
+        // word, for either width.
+        let words = t.words.as_ptr();
+        assert_eq!(home_line::<4>(t.place(), a), words.wrapping_add(2 * 5));
+        let narrow = Branches::<2>::default();
+        let c = tag_at(3, 4, 0);
+        assert_eq!(
+            home_line::<2>(narrow.place(), c),
+            narrow.words.as_ptr().wrapping_add(3 * 3)
+        );
+        // A table past what the word's count holds names its first entry.
+        let big = Branches::<2>::with_entries(1 << 16);
+        assert_eq!(home_line::<2>(big.place(), c), big.words.as_ptr());
     }
 }

@@ -469,8 +469,9 @@ impl CacheIndex {
             (Some(p), Some(c)) => Some((p, c, Key::new(p, c.hashes.hash(0)))),
             _ => None,
         };
-        if let Some((_, _, key)) = &first {
+        if let Some((p, c, key)) = &first {
             reader.touch(key);
+            reader.touch_head(*p, &c.hashes, key);
         }
         let mut serving = Serving::new();
         serving_set(&ctx, &catalog, &fleet, &at, &mut serving);
@@ -552,14 +553,11 @@ impl CacheIndex {
             return Vec::new();
         };
         let mut cands = Candidates::new();
-        walk_chain(
-            &self.store.reader(),
-            part,
-            chain,
-            Leaving::NONE,
-            &mut cands,
-            |_| {},
-        );
+        let reader = self.store.reader();
+        let first = Key::new(part, chain.hashes.hash(0));
+        reader.touch(&first);
+        reader.touch_head(part, &chain.hashes, &first);
+        walk_chain(&reader, part, chain, Leaving::NONE, &mut cands, |_| {});
         cands
             .as_slice()
             .iter()

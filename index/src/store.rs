@@ -44,8 +44,15 @@
 //!   (the `branches` module): for each run that starts right after it, that
 //!   run's body, hash and prefix-word addresses, so a lookup starts all of
 //!   the next run's misses as soon as it knows where it will leave this
-//!   one, instead of three dependent misses one after the other. Row slots
-//!   of a run are never
+//!   one, instead of three dependent misses one after the other. The
+//!   first run of a chain that others continue is also named in the
+//!   store's **heads table** (same module) under its first key, with its
+//!   lines, where a report last left it and where its branch table lies: a
+//!   lookup reads that one entry before anything else and starts the
+//!   misses of both runs it walks first together (the first run's
+//!   directory slot, body and hashes; the next run's key-table slot and
+//!   branch-table entry), where the key table would take three dependent
+//!   misses to reach the first run alone. Row slots of a run are never
 //!   reused while the run data lives, so a row index a reader loaded never
 //!   points at another replica's cells.
 //! - **One writer at a time** (a mutex around [`Writer`]): ingest, removals,
@@ -79,7 +86,8 @@
 //! whose blocks' counts differ), plus a run header, a 24-byte directory
 //! slot and a prefix word per row slot shared by the run's blocks, and
 //! about 32 bytes in its parent's branch table for a run that continues
-//! another.
+//! another, and about 60 in the heads table for a chain's first run that
+//! others continue.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -90,7 +98,7 @@ use hashbrown::{HashMap, HashSet};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
-use crate::branches::{Branches, Lines};
+use crate::branches::{Branches, Lines, home_line};
 use crate::catalog::{PartitionId, ReplicaId};
 use crate::messages::BlockHashes;
 use crate::table::{KeyTable, Probe, Vacant};
@@ -480,12 +488,15 @@ impl RunSlot {
         self.set_hint(self.hint().with_len(len));
     }
 
-    /// Notes that a report went on elsewhere after position `pos - 1`.
-    fn hint_branch(&self, pos: usize) {
+    /// Notes that a report went on elsewhere after position `pos - 1`;
+    /// whether that moved the run's branch.
+    fn hint_branch(&self, pos: usize) -> bool {
         let hint = self.hint();
-        if hint.branch() != pos {
+        let moved = hint.branch() != pos;
+        if moved {
             self.set_hint(hint.with_branch(pos));
         }
+        moved
     }
 
     /// Starts the misses on the body and on the data line of position
@@ -1015,6 +1026,24 @@ fn placed(data: u64) -> (*const AtomicU64, usize, *const AtomicU64) {
     (words, cap, words.wrapping_add(HEAD + cap + counts))
 }
 
+/// Line words of a heads-table entry: those of [`lines_of`] (the data
+/// word with the run's branch position in its free byte, bits 48 to 55),
+/// the run's branch table and that table's [`Branches::place`].
+const HEAD_LINES: usize = 4;
+
+/// The heads-table entry of a run with body `body`, branch position
+/// `branch` (0: none) and branch table `table`.
+fn head_lines(body: &Body, branch: usize, table: &Branches) -> [u64; HEAD_LINES] {
+    let [at, data] = lines_of(body);
+    debug_assert!(branch < RUN_BLOCKS, "a branch position fits its byte");
+    [
+        at,
+        data | (branch as u64) << 48,
+        std::ptr::from_ref(table) as u64,
+        table.place(),
+    ]
+}
+
 /// Starts the misses on the lines of [`lines_of`]: the body, the hash
 /// words from position 0 to the capacity and the first row slots' prefix
 /// words.
@@ -1446,6 +1475,7 @@ enum Retired {
     Body(Arc<Body>),
     Table(Arc<KeyTable>),
     Branches(Arc<Branches>),
+    Heads(Arc<Branches<HEAD_LINES>>),
 }
 
 /// Where a run that starts right after another one is named: the run it
@@ -1458,8 +1488,15 @@ struct Link {
 }
 
 impl Link {
+    /// A run made without a parent (a chain's first run, or the first of
+    /// a report whose earlier blocks are not stored).
     const NONE: Self = Self {
         parent: u32::MAX,
+        tag: 0,
+    };
+    /// A run whose parent was freed: not a chain's first run.
+    const ORPHAN: Self = Self {
+        parent: u32::MAX - 1,
         tag: 0,
     };
 }
@@ -1490,6 +1527,8 @@ pub(crate) struct Writer {
     links: Vec<Link>,
     /// The published branch tables, by the run they belong to.
     branches: HashMap<u32, Arc<Branches>>,
+    /// The published heads table.
+    heads: Arc<Branches<HEAD_LINES>>,
     free: Vec<u32>,
     by_replica: HashMap<ReplicaId, HashSet<u32>>,
     /// Held cells in the store.
@@ -1508,6 +1547,7 @@ pub(crate) struct Writer {
 /// The store.
 pub(crate) struct Store {
     table: Published<KeyTable>,
+    heads: Published<Branches<HEAD_LINES>>,
     runs: RunDir,
     writer: Mutex<Writer>,
 }
@@ -1521,11 +1561,14 @@ impl std::fmt::Debug for Store {
 impl Default for Store {
     fn default() -> Self {
         let table = Arc::new(KeyTable::default());
+        let heads = Arc::new(Branches::default());
         Self {
             table: Published::new(table.clone()),
+            heads: Published::new(heads.clone()),
             runs: RunDir::new(),
             writer: Mutex::new(Writer {
                 table,
+                heads,
                 ..Writer::default()
             }),
         }
@@ -1573,6 +1616,36 @@ impl Reader<'_> {
             true
         });
         ahead
+    }
+
+    /// Starts the misses of the run a request's first block `key` (of
+    /// `hashes`, in `part`) likely lies in, if the heads table names a run
+    /// under its tag, and of the run the request likely goes on in: the
+    /// first run's directory slot, body, hash words and first prefix words,
+    /// and at its branch the key-table slot of the request's block there,
+    /// the branch table and that block's entry in it, all at once (see the
+    /// `branches` module). A hint: a collision of tags or an entry gone
+    /// stale costs wasted prefetches, never an answer.
+    pub fn touch_head(&self, part: PartitionId, hashes: &BlockHashes, key: &Key<'_>) {
+        let Some((run, [body, data, table, place])) = self
+            .store
+            .heads
+            .load(&self.pin)
+            .and_then(|heads| heads.find(key.probe.tag()))
+        else {
+            return;
+        };
+        if let Some(slot) = self.store.runs.get(run) {
+            prefetch(slot);
+        }
+        prefetch_lines([body, data]);
+        let branch = ((data >> 48) & 0xFF) as usize;
+        if branch > 0 && branch < hashes.len() {
+            let next = Key::new(part, hashes.hash(branch));
+            self.touch(&next);
+            prefetch_ptr(table as usize as *const u8);
+            prefetch_ptr(home_line::<2>(place, next.probe.tag()));
+        }
     }
 
     /// Starts the misses of the run that `key` begins, if the run of
@@ -1766,7 +1839,41 @@ impl Writing<'_> {
         {
             table.update(link.tag, run, lines_of(&body));
         }
+        // So does the heads table, if it names the run.
+        if link.parent == Link::NONE.parent && self.w.branches.contains_key(&run) {
+            self.refresh_head(run);
+        }
         body
+    }
+
+    /// Makes the heads table's entry for `run` true: a run made without a
+    /// parent that has a branch table is named there under its first key's
+    /// tag (see [`head_lines`]), any other is not.
+    fn refresh_head(&mut self, run: u32) {
+        let Some(body) = self.body(run).filter(|b| b.len() > 0) else {
+            return;
+        };
+        let tag = body.probe(0).tag();
+        let lines = self
+            .w
+            .branches
+            .get(&run)
+            .filter(|_| self.w.links[run as usize].parent == Link::NONE.parent)
+            .map(|table| head_lines(body, self.store.runs.slot(run).hint().branch(), table));
+        let Some(lines) = lines else {
+            self.w.heads.remove(tag, run);
+            return;
+        };
+        if self.w.heads.set(tag, run, lines) {
+            return;
+        }
+        let next = self.w.heads.grown();
+        let placed = next.set(tag, run, lines);
+        debug_assert!(placed, "a grown heads table has room");
+        let next = Arc::new(next);
+        let old = self.store.heads.swap(Some(next.clone()));
+        self.w.heads = next;
+        self.retire(old.map(Retired::Heads));
     }
 
     /// Rebuilds `run` to store each position's token count (it kept one
@@ -1806,12 +1913,14 @@ impl Writing<'_> {
                 .swap(Some(table.clone()));
             self.w.branches.insert(parent, table);
             self.retire(old.map(Retired::Branches));
+            // The heads table names where the parent's table lies now.
+            self.refresh_head(parent);
         }
         self.w.links[run as usize] = Link { parent, tag };
     }
 
     /// Drops `run` from the branch table of the run it continues, and its
-    /// own branch table with it.
+    /// own branch table (and heads-table entry) with it.
     fn unlink(&mut self, run: u32) {
         let link = std::mem::replace(&mut self.w.links[run as usize], Link::NONE);
         if let Some(table) = self.w.branches.get(&link.parent) {
@@ -1822,11 +1931,12 @@ impl Writing<'_> {
                 if let Some(l) = self.w.links.get_mut(child as usize)
                     && l.parent == run
                 {
-                    *l = Link::NONE;
+                    *l = Link::ORPHAN;
                 }
             }
             let old = self.store.runs.slot(run).branches.swap(None);
             self.retire(old.map(Retired::Branches));
+            self.refresh_head(run);
         }
     }
 
@@ -1982,14 +2092,23 @@ impl Writing<'_> {
         if !body.data.takes_counts(n, |k| blocks.count(first + k)) {
             self.keep_counts(run);
         }
-        let Some(body) = self.body(run) else {
+        let Some(len) = self.body(run).map(|b| b.len()) else {
             return n;
         };
         // The report leaves the run inside it: a later request that shares
-        // this report's head likely leaves it there too.
-        if first + n < blocks.len() && pos + n < body.len() {
-            self.store.runs.slot(run).hint_branch(pos + n);
+        // this report's head likely leaves it there too (and the heads
+        // table says so, if it names the run).
+        if first + n < blocks.len()
+            && pos + n < len
+            && self.store.runs.slot(run).hint_branch(pos + n)
+            && self.w.links[run as usize].parent == Link::NONE.parent
+            && self.w.branches.contains_key(&run)
+        {
+            self.refresh_head(run);
         }
+        let Some(body) = self.body(run) else {
+            return n;
+        };
         // The block after the stretch is searched for next (a shared head
         // ends, a private tail begins): start its miss before the claim.
         if first + n < blocks.len() {
@@ -3303,6 +3422,109 @@ mod tests {
         }
     }
 
+    /// The heads table's entry under the tag of key `first`.
+    fn head_entry(store: &Store, first: u64) -> Option<(u32, [u64; HEAD_LINES])> {
+        let reader = store.reader();
+        let heads = reader.store.heads.load(&reader.pin)?;
+        heads.find(Key::new(0, HashRef::Narrow(first)).probe.tag())
+    }
+
+    /// What the heads table should say of the run key `first` begins,
+    /// from the run's body, hint and branch table as they are.
+    fn head_expected(store: &Store, first: u64) -> (u32, [u64; HEAD_LINES]) {
+        let reader = store.reader();
+        let key = Key::new(0, HashRef::Narrow(first));
+        let loc = reader.table().find(key.probe, |_| true).expect("stored");
+        let (run, pos) = split(loc);
+        assert_eq!(pos, 0, "key {first} begins its run");
+        let slot = reader.store.runs.get(run).expect("a slot");
+        let body = slot.body.load(&reader.pin).expect("a body");
+        let table = slot.branches.load(&reader.pin).expect("a branch table");
+        (run, head_lines(body, slot.hint().branch(), table))
+    }
+
+    #[test]
+    fn a_chains_first_run_others_continue_is_named_in_the_heads_table() {
+        let store = Store::default();
+        let mut h = holding(100_000);
+        let report = |head: std::ops::Range<u64>, tail: std::ops::Range<u64>| {
+            let mut r = keys(0, head);
+            r.extend(keys(0, tail));
+            r
+        };
+        // A run nothing continues is not named.
+        store
+            .write()
+            .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
+        assert_eq!(head_entry(&store, 0), None);
+        // Continued after its 16th block: named, with its lines, its
+        // branch (16) and its branch table.
+        store
+            .write()
+            .hold(0, &report(0..16, 100..120)[..], claim(2, 5), &mut h);
+        let entry = head_entry(&store, 0).expect("named");
+        assert_eq!(entry, head_expected(&store, 0));
+        assert_eq!((entry.1[1] >> 48) & 0xFF, 16, "the branch position");
+        // A new holder rebuilds its body: the entry follows.
+        store
+            .write()
+            .hold(0, &keys(0, 0..16)[..], claim(3, 5), &mut h);
+        assert_ne!(head_entry(&store, 0), Some(entry), "rebuilt");
+        assert_eq!(head_entry(&store, 0), Some(head_expected(&store, 0)));
+        // A report that leaves it earlier moves the branch.
+        store
+            .write()
+            .hold(0, &report(0..8, 300..310)[..], claim(4, 5), &mut h);
+        let entry = head_entry(&store, 0).expect("named");
+        assert_eq!(entry, head_expected(&store, 0));
+        assert_eq!((entry.1[1] >> 48) & 0xFF, 8, "the branch moved");
+        // Enough runs continue it that its branch table grows: the entry
+        // names the new table.
+        let place = entry.1[3];
+        for k in 0..20u64 {
+            let tail = 1_000 + k * 100..1_000 + k * 100 + 4;
+            store
+                .write()
+                .hold(0, &report(0..16, tail)[..], claim(5, 5), &mut h);
+        }
+        let entry = head_entry(&store, 0).expect("named");
+        assert_ne!(entry.1[3], place, "a grown table");
+        assert_eq!(entry, head_expected(&store, 0));
+        // A run others continue that continues a run itself is not named.
+        store
+            .write()
+            .hold(0, &report(0..26, 500..504)[..], claim(6, 5), &mut h);
+        store.write().hold(
+            0,
+            &[
+                &keys(0, 0..16)[..],
+                &keys(0, 100..110)[..],
+                &keys(0, 600..604)[..],
+            ]
+            .concat()[..],
+            claim(6, 5),
+            &mut h,
+        );
+        assert!(branch_entry(&store, 100, 600).is_some(), "it has a table");
+        assert_eq!(head_entry(&store, 100), None);
+        // A lookup's touch of it, or of a key no run is named under, only
+        // prefetches.
+        let reader = store.reader();
+        let hashes = BlockHashes::Narrow((0..40u64).map(u64::to_be_bytes).collect());
+        reader.touch_head(0, &hashes, &Key::new(0, HashRef::Narrow(0)));
+        reader.touch_head(0, &hashes, &Key::new(0, HashRef::Narrow(7_777)));
+        drop(reader);
+        // Freed, it leaves the table.
+        let mut w = store.write();
+        let mut count = Count(Vec::new());
+        for replica in 1..=6 {
+            w.clear(replica, |_| true, &mut count);
+        }
+        assert_eq!(w.w.heads.len(), 0);
+        drop(w);
+        assert_eq!(head_entry(&store, 0), None);
+    }
+
     #[test]
     fn a_freed_parent_unlinks_its_children() {
         let store = Store::default();
@@ -3324,7 +3546,13 @@ mod tests {
             w.release(0, key, 2);
         }
         assert!(w.w.branches.is_empty(), "the head's table went with it");
-        assert!(w.w.links.iter().all(|l| l.parent == Link::NONE.parent));
+        assert_eq!(w.w.heads.len(), 0, "and its heads-table entry");
+        // The tail names no parent, and is not taken for a chain's first.
+        assert!(
+            w.w.links
+                .iter()
+                .all(|l| l.parent == Link::NONE.parent || l.parent == Link::ORPHAN.parent)
+        );
         drop(w);
         assert_eq!(held(&store, 0, 100..120, 2), vec![true; 20]);
         // A new report over the tail's first block links nothing stale.
