@@ -462,8 +462,9 @@ impl CacheIndex {
         let catalog = self.catalog.read();
         let fleet = self.fleet.read();
         let at = resolve(&catalog, req);
-        // Start the first block's key-table miss; the serving set is
-        // worked out while it is under way.
+        // Start the first block's key-table miss, and through the heads
+        // table those of the first two runs the walk is likely to read;
+        // the serving set is worked out while they are under way.
         let reader = self.store.reader();
         let first = match (at.part, admitted.chain) {
             (Some(p), Some(c)) => Some((p, c, Key::new(p, c.hashes.hash(0)))),
