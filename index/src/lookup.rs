@@ -593,9 +593,11 @@ impl CacheIndex {
         let Scene { req, admitted, .. } = scene;
         let chain = admitted.chain;
         // The cost-aware ranker counts where the deepest match ends: the
-        // walk starts that counter's miss wherever the request's match with
-        // the runs it passes ends so far (the last is nearly always the
-        // deepest holder's end), so it is under way while the walk goes on.
+        // walk starts that counter's miss wherever the request's match may
+        // end, at each run it enters (where that run ends) and wherever its
+        // match with the runs it passed ends so far (the last is nearly
+        // always the deepest holder's end), so it is under way while the
+        // walk goes on.
         let reuse = &scene.fleet.reuse;
         let cost_aware = scene.ctx.policy.ranker == Ranker::CostAware;
         let mut matched = match (scene.at.part, chain) {
@@ -1011,15 +1013,18 @@ impl CacheIndex {
 /// of its leading run of held blocks. Lock-free; see the `store` module.
 /// `leaving` says where the request likely leaves the first run, whose
 /// key-table slots the caller asked for (see [`Leaving::of`]).
-/// `matched_to` hears, run by run, how many leading blocks of the request
-/// the runs passed so far hold (at least one), before their cells are read.
+/// `may_end` hears, run by run, the blocks where the match may end: as
+/// each run is entered, where the request would leave it (its end, where a
+/// conversation's cached turns stop), and once it is compared, how many
+/// leading blocks of the request the runs passed so far hold (at least
+/// one), before their cells are read.
 fn walk_chain<'c>(
     reader: &Reader<'_>,
     part: PartitionId,
     chain: Chain<'c>,
     mut leaving: Leaving<'c>,
     cands: &mut Candidates,
-    mut matched_to: impl FnMut(usize),
+    mut may_end: impl FnMut(usize),
 ) -> Matched {
     let n = chain.hashes.len();
     // Each run's dependent misses (key-table slot, directory slot, body and
@@ -1060,7 +1065,7 @@ fn walk_chain<'c>(
         }
         // How far the request follows this run: one compare per block.
         let m = body.follow(pos, len, &chain.hashes, i);
-        matched_to(i + m);
+        may_end(i + m);
         // Where the request leaves the run it continues through another
         // one: start that run's body and first data line now (its key-table
         // slot was asked for above), so their misses are under way while
@@ -1071,6 +1076,9 @@ fn walk_chain<'c>(
             // And the key-table misses where the request would leave that
             // run.
             leaving = Leaving::of(reader, part, &chain.hashes, i + m, reader.touch_run(key));
+            if leaving.end > 0 {
+                may_end(leaving.end.min(n));
+            }
         }
         // The stretch's tokens: most holders hold all of it, the others
         // sum their part.
