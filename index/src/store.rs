@@ -1031,6 +1031,11 @@ fn placed(data: u64) -> (*const AtomicU64, usize, *const AtomicU64) {
 /// the run's branch table and that table's [`Branches::place`].
 const HEAD_LINES: usize = 4;
 
+/// The branch position a heads-table entry's data word carries (0: none).
+fn head_branch(data: u64) -> usize {
+    ((data >> 48) & 0xFF) as usize
+}
+
 /// The heads-table entry of a run with body `body`, branch position
 /// `branch` (0: none) and branch table `table`.
 fn head_lines(body: &Body, branch: usize, table: &Branches) -> [u64; HEAD_LINES] {
@@ -1639,7 +1644,7 @@ impl Reader<'_> {
             prefetch(slot);
         }
         prefetch_lines([body, data]);
-        let branch = ((data >> 48) & 0xFF) as usize;
+        let branch = head_branch(data);
         if branch > 0 && branch < hashes.len() {
             let next = Key::new(part, hashes.hash(branch));
             self.touch(&next);
@@ -1840,10 +1845,16 @@ impl Writing<'_> {
             table.update(link.tag, run, lines_of(&body));
         }
         // So does the heads table, if it names the run.
-        if link.parent == Link::NONE.parent && self.w.branches.contains_key(&run) {
+        if self.is_head(run) {
             self.refresh_head(run);
         }
         body
+    }
+
+    /// Whether the heads table names `run`: made without a parent, and
+    /// continued by others (it has a branch table).
+    fn is_head(&self, run: u32) -> bool {
+        self.w.links[run as usize].parent == Link::NONE.parent && self.w.branches.contains_key(&run)
     }
 
     /// Makes the heads table's entry for `run` true: a run made without a
@@ -1858,7 +1869,7 @@ impl Writing<'_> {
             .w
             .branches
             .get(&run)
-            .filter(|_| self.w.links[run as usize].parent == Link::NONE.parent)
+            .filter(|_| self.is_head(run))
             .map(|table| head_lines(body, self.store.runs.slot(run).hint().branch(), table));
         let Some(lines) = lines else {
             self.w.heads.remove(tag, run);
@@ -2101,8 +2112,7 @@ impl Writing<'_> {
         if first + n < blocks.len()
             && pos + n < len
             && self.store.runs.slot(run).hint_branch(pos + n)
-            && self.w.links[run as usize].parent == Link::NONE.parent
-            && self.w.branches.contains_key(&run)
+            && self.is_head(run)
         {
             self.refresh_head(run);
         }
@@ -3457,14 +3467,20 @@ mod tests {
             .write()
             .hold(0, &keys(0, 0..40)[..], claim(1, 5), &mut h);
         assert_eq!(head_entry(&store, 0), None);
+        // After a report, the run of key 0 is named as it is now, with
+        // branch position `branch`.
+        let named_with = |branch: usize| {
+            let entry = head_entry(&store, 0).expect("named");
+            assert_eq!(entry, head_expected(&store, 0));
+            assert_eq!(head_branch(entry.1[1]), branch, "the branch position");
+            entry
+        };
         // Continued after its 16th block: named, with its lines, its
         // branch (16) and its branch table.
         store
             .write()
             .hold(0, &report(0..16, 100..120)[..], claim(2, 5), &mut h);
-        let entry = head_entry(&store, 0).expect("named");
-        assert_eq!(entry, head_expected(&store, 0));
-        assert_eq!((entry.1[1] >> 48) & 0xFF, 16, "the branch position");
+        let entry = named_with(16);
         // A new holder rebuilds its body: the entry follows.
         store
             .write()
@@ -3475,9 +3491,7 @@ mod tests {
         store
             .write()
             .hold(0, &report(0..8, 300..310)[..], claim(4, 5), &mut h);
-        let entry = head_entry(&store, 0).expect("named");
-        assert_eq!(entry, head_expected(&store, 0));
-        assert_eq!((entry.1[1] >> 48) & 0xFF, 8, "the branch moved");
+        let entry = named_with(8);
         // Enough runs continue it that its branch table grows: the entry
         // names the new table.
         let place = entry.1[3];
