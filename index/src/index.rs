@@ -15,16 +15,17 @@
 //! four string compares cost far less than the six hash probes they stand
 //! for (4–6 fewer instructions per ingested block of a 64-block report).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, TryLockError};
 
 use arc_swap::ArcSwap;
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use hashbrown::HashMap;
-use parking_lot::{RwLock, RwLockWriteGuard};
 use smallvec::SmallVec;
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, ScopeMemo};
 use crate::clock::{Clock, SystemClock, ms_to_secs};
+use crate::cost::RequestTokenMeans;
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::messages::{
     BlockHashes, CacheEvent, CacheSummary, CacheUpdate, DropReason, EventKind, EventReport,
@@ -36,29 +37,58 @@ use crate::store::{Claim, Holding, Key, NarrowChain, Removed, Store};
 
 /// Default global cap on block-replica entries.
 pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
-/// Tries at a write lock before waiting for it (see [`write_between_readers`]).
+/// Tries at a write lock before waiting for it (see
+/// [`ReadMostly::write_between_readers`]).
 const WRITE_TRIES: u32 = 4096;
 
-/// A write lock that lookups also read, taken in the gaps between them: a
-/// writer that waits for the lock in the ordinary way makes every new
-/// reader queue behind it, and on a busy machine the writer may not run
-/// again for a scheduler tick after the last reader wakes it, so one rare
-/// write (a join, a leave, a new name) could hold lookups up for
-/// milliseconds. Trying first lets readers through; after a bounded number
-/// of tries it waits as usual, so a writer is never starved.
-fn write_between_readers<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    for attempt in 0..WRITE_TRIES {
-        if let Some(guard) = lock.try_write() {
-            return guard;
-        }
-        if attempt % 64 == 63 {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
+/// A lock that lookups and ingest read and few writers write: a sharded
+/// reader-writer lock (`crossbeam-utils`). A reader takes only its thread's
+/// shard, so readers on different cores write no common cache line: with
+/// one lock word, every lookup's lock and unlock took that line from the
+/// core that had it last (an ingesting thread, another lookup). A writer
+/// takes every shard. A writer that panicked leaves the data to the next
+/// reader as it was (no poisoning, as before).
+pub(crate) struct ReadMostly<T>(ShardedLock<T>);
+
+impl<T> ReadMostly<T> {
+    fn new(value: T) -> Self {
+        Self(ShardedLock::new(value))
+    }
+
+    pub(crate) fn read(&self) -> ShardedLockReadGuard<'_, T> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn try_write(&self) -> Option<ShardedLockWriteGuard<'_, T>> {
+        match self.0.try_write() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         }
     }
-    lock.write()
+
+    /// The write lock, taken in the gaps between readers: a writer that
+    /// waits for the lock in the ordinary way makes every new reader of its
+    /// shards queue behind it, and on a busy machine the writer may not run
+    /// again for a scheduler tick after the last reader wakes it, so one
+    /// rare write (a join, a leave, a new name) could hold lookups up for
+    /// milliseconds. Trying first lets readers through; after a bounded
+    /// number of tries it waits as usual, so a writer is never starved.
+    fn write_between_readers(&self) -> ShardedLockWriteGuard<'_, T> {
+        for attempt in 0..WRITE_TRIES {
+            if let Some(guard) = self.try_write() {
+                return guard;
+            }
+            if attempt % 64 == 63 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
 }
+
 /// A partition one update writes: its adapter, and the entries and keys
 /// the update added there.
 struct UpdatePart<'a> {
@@ -121,11 +151,11 @@ pub const DEFAULT_MAX_HOLDERS_PER_KEY: usize = 256;
 ///
 /// Cheap to share (`Arc<CacheIndex>`); every method takes `&self`.
 pub struct CacheIndex {
-    pub(crate) catalog: RwLock<Catalog>,
+    pub(crate) catalog: ReadMostly<Catalog>,
     pub(crate) store: Store,
-    pub(crate) fleet: RwLock<Fleet>,
-    /// Running mean of the uncached prefill tokens of hinted requests (`f64` bits).
-    pub(crate) mean_request_tokens: AtomicU64,
+    pub(crate) fleet: ReadMostly<Fleet>,
+    /// Running means of the uncached prefill tokens of hinted requests.
+    pub(crate) mean_request_tokens: RequestTokenMeans,
     /// Shared with the lookup threads' caches (see [`CacheIndex::with_policies`]).
     pub(crate) policies: Arc<ArcSwap<PolicySet>>,
     pub(crate) clock: Arc<dyn Clock>,
@@ -239,10 +269,10 @@ impl CacheIndex {
     /// An empty index reading time from `clock`, capped at `max_entries` block-replica entries.
     pub fn new(clock: Arc<dyn Clock>, max_entries: u64) -> Self {
         Self {
-            catalog: RwLock::new(Catalog::default()),
+            catalog: ReadMostly::new(Catalog::default()),
             store: Store::default(),
-            fleet: RwLock::new(Fleet::default()),
-            mean_request_tokens: AtomicU64::new(0),
+            fleet: ReadMostly::new(Fleet::default()),
+            mean_request_tokens: RequestTokenMeans::default(),
             policies: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
             clock,
             max_entries: AtomicU64::new(max_entries),
@@ -720,14 +750,14 @@ impl CacheIndex {
     }
 
     /// The fleet's write lock, taken in the gaps between lookups (see
-    /// [`write_between_readers`]).
-    pub(crate) fn fleet_write(&self) -> RwLockWriteGuard<'_, Fleet> {
-        write_between_readers(&self.fleet)
+    /// [`ReadMostly::write_between_readers`]).
+    pub(crate) fn fleet_write(&self) -> ShardedLockWriteGuard<'_, Fleet> {
+        self.fleet.write_between_readers()
     }
 
     /// The catalog's write lock, taken in the gaps between lookups.
-    pub(crate) fn catalog_write(&self) -> RwLockWriteGuard<'_, Catalog> {
-        write_between_readers(&self.catalog)
+    pub(crate) fn catalog_write(&self) -> ShardedLockWriteGuard<'_, Catalog> {
+        self.catalog.write_between_readers()
     }
 
     /// Remembers that the fleet has members in `(tenant, model)`, so the
@@ -1099,5 +1129,43 @@ impl CacheIndex {
             replicas,
             tenants,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadMostly;
+
+    #[test]
+    fn read_mostly_readers_see_whole_writes_and_outlive_a_panicking_writer() {
+        let lock = ReadMostly::new((0u64, 0u64));
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..20_000 {
+                        let pair = lock.read();
+                        assert_eq!(pair.0, pair.1, "a reader saw half a write");
+                    }
+                });
+            }
+            s.spawn(|| {
+                for i in 1..=2_000u64 {
+                    let mut pair = lock.write_between_readers();
+                    pair.0 = i;
+                    pair.1 = i;
+                }
+            });
+        });
+        assert_eq!(*lock.read(), (2_000, 2_000));
+        // A writer that panics leaves what it wrote to those after it.
+        let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut pair = lock.write_between_readers();
+            pair.0 = 7;
+            panic!("the writer fails half-way");
+        }));
+        assert!(failed.is_err());
+        assert_eq!(*lock.read(), (7, 2_000));
+        lock.write_between_readers().1 = 7;
+        assert_eq!(*lock.read(), (7, 7));
     }
 }

@@ -677,15 +677,21 @@ impl LookupOutcome {
         scores: Vec<ReplicaScore>,
         adapter: &str,
         decision: Decision,
-        names: &Arc<ReplicaList>,
+        names: Arc<ReplicaList>,
     ) -> Self {
         Self {
             reason,
-            names: (!scores.is_empty()).then(|| names.clone()),
+            names: (!scores.is_empty()).then_some(names),
             scores,
             adapter_id: adapter.to_owned(),
             decision,
         }
+    }
+
+    /// The names this answer's ids resolve through.
+    #[cfg(test)]
+    pub(crate) fn names(&self) -> Option<&Arc<ReplicaList>> {
+        self.names.as_ref()
     }
 
     /// The name of a replica this answer ranks (empty for a score it did

@@ -159,6 +159,34 @@ fn worked_example_three_two_one_blocks() {
     assert_eq!(o.scores[0].tier, Tier::T1);
 }
 
+/// An answer's names are this thread's copy of the catalog's list: two
+/// answers share one (not the catalog's own), a name interned after it is
+/// resolved by the next answer through a fresh copy, and another thread
+/// answers through a copy of its own.
+#[test]
+fn answers_carry_this_threads_copy_of_the_names() {
+    let f = fixture();
+    let blocks = chain(1..4);
+    f.hold("A", &blocks[..3]);
+    let first = f.lookup_chain(&blocks);
+    let second = f.lookup_chain(&blocks);
+    let names = first.names().expect("a ranked answer has names");
+    assert!(Arc::ptr_eq(names, second.names().expect("names")));
+    assert!(!Arc::ptr_eq(names, f.index.catalog.read().replica_list()));
+    f.hold("B", &blocks[..2]);
+    let third = f.lookup_chain(&blocks);
+    assert!(!Arc::ptr_eq(names, third.names().expect("names")));
+    assert_eq!(ids(&third), ["A", "B"]);
+    assert_eq!(ids(&first), ["A"], "an earlier answer keeps its names");
+    let elsewhere =
+        std::thread::scope(|s| s.spawn(|| f.lookup_chain(&blocks)).join().expect("thread"));
+    assert!(!Arc::ptr_eq(
+        elsewhere.names().expect("names"),
+        third.names().expect("names")
+    ));
+    assert_eq!(ids(&elsewhere), ids(&third));
+}
+
 #[test]
 fn drop_out_is_final_and_block_zero_required() {
     let f = fixture();
