@@ -15,7 +15,9 @@
 //! reports that thread's rate; a third times the store's match step alone
 //! (`match_chain`) against kv-index's lookup, which answers the same
 //! question; a fourth times the lookup of one chain held by thousands of
-//! replicas.
+//! replicas; a fifth times both indexes' idle lookups in turns (see
+//! [`interleaved`]); a sixth times the lookups while another thread looks
+//! up as fast as it can, as a server's workers do.
 //!
 //! Run: `cargo bench -p inference-cache-index --bench table --features compare-kv-index`
 //! (`TABLE_SIZES=1000000:1,10000000:2` picks entries:holders pairs,
@@ -100,6 +102,9 @@ struct Row {
     busy: Busy,
     /// The same with the other thread paced at [`PACED_REPORTS_PER_SEC`].
     paced: Busy,
+    /// Lookups timed while another thread looks up as fast as it can, as
+    /// a server's workers do (its rate in lookups per second).
+    beside: Busy,
     /// The store's match step alone (ours; kv-index's lookup is one).
     matched: Option<[u64; 3]>,
 }
@@ -125,7 +130,8 @@ const PACED_REPORTS_PER_SEC: f64 = 2_000_000.0;
 
 /// Times `lookup` on this thread while `ingest_one` runs on another, as
 /// fast as it can or at `rate` block reports per second; `ingest_one(i)`
-/// ingests feed item `i` and returns the block reports it made.
+/// ingests feed item `i` and returns the block reports it made (or, for
+/// another thread that looks up, does lookup `i` and returns 1).
 fn under_ingest(
     chains: usize,
     mut lookup: impl FnMut(usize),
@@ -173,6 +179,12 @@ fn under_ingest(
             ingest_per_sec,
         }
     })
+}
+
+/// The chain the other looking-up thread asks for in its `i`-th lookup:
+/// every chain in turn, in another order than this thread's.
+fn other_lookup(i: usize, chains: usize) -> usize {
+    i.wrapping_mul(7919) % chains
 }
 
 fn percentile(sorted: &[u64], q: f64) -> u64 {
@@ -291,6 +303,16 @@ fn ours(work: &Workload) -> Row {
         ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
+    let beside = under_ingest(
+        work.chains.len(),
+        &mut lookup,
+        |i| {
+            let r = request(&work.block_chains[other_lookup(i, work.chains.len())]);
+            black_box(index.lookup(&r));
+            1
+        },
+        None,
+    );
     Row {
         name: "inference-cache-index",
         entries,
@@ -302,6 +324,7 @@ fn ours(work: &Workload) -> Row {
         p999_ns: percentile(&samples, 0.999),
         busy,
         paced,
+        beside,
         matched,
     }
 }
@@ -424,6 +447,15 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
+    let beside = under_ingest(
+        work.chains.len(),
+        &mut lookup,
+        |i| {
+            black_box(index.find_matches(&requests[other_lookup(i, requests.len())], false));
+            1
+        },
+        None,
+    );
     Row {
         name: "kv-index 2.0.0 ChainIndex",
         entries,
@@ -435,6 +467,7 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         p999_ns: percentile(&samples, 0.999),
         busy,
         paced,
+        beside,
         matched: None,
     }
 }
@@ -599,6 +632,26 @@ fn main() {
             r.paced.p99_ns as f64 / 1e3,
             r.paced.ingest_per_sec / 1e6,
             r.paced.p99_ns as f64 / r.p99_ns as f64,
+        );
+    }
+    println!();
+    println!(
+        "| index | block-replica entries | holders/block | idle p50 | idle p99 | p50 beside another looking-up thread | p99 beside it | its lookups/s | p50 beside / idle | p99 beside / idle |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &busy_rows {
+        println!(
+            "| {} | {} | {} | {:.2} µs | {:.2} µs | {:.2} µs | {:.2} µs | {:.2}M | {:.2}× | {:.2}× |",
+            r.name,
+            r.entries,
+            r.holders,
+            r.p50_ns as f64 / 1e3,
+            r.p99_ns as f64 / 1e3,
+            r.beside.p50_ns as f64 / 1e3,
+            r.beside.p99_ns as f64 / 1e3,
+            r.beside.ingest_per_sec / 1e6,
+            r.beside.p50_ns as f64 / r.p50_ns as f64,
+            r.beside.p99_ns as f64 / r.p99_ns as f64,
         );
     }
     println!();

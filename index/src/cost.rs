@@ -27,6 +27,10 @@
 //!               × uncached(r) + loadWeight × (load(r) + excess(r))
 //! ```
 //!
+//! The mean request tokens are a running mean of the uncached tokens of the
+//! requests hinted, kept by each thread over the requests it hinted
+//! ([`RequestTokenMeans`]).
+//!
 //! The contention factor makes recomputation dearer as the fleet fills up:
 //! moving a session off its cache adds work that everything queued behind
 //! it waits for, so a saturated fleet keeps sessions where their cache is.
