@@ -162,10 +162,9 @@ impl MemberLoads {
 
 /// The running means of request tokens: one per thread (up to this many;
 /// threads past it share). One mean that every lookup wrote was a cache
-/// line the cores passed between them: with two threads looking up at
-/// once, 100–160 ns of a lookup's p50. Each thread's mean follows the
-/// requests it hinted, which come from the same traffic as every other
-/// thread's.
+/// line the cores passed between them (`docs/performance.md`, "Lookups
+/// beside other threads"). Each thread's mean follows the requests it
+/// hinted, which come from the same traffic as every other thread's.
 pub(crate) struct RequestTokenMeans([CachePadded<AtomicU64>; MEAN_STRIPES]);
 
 const MEAN_STRIPES: usize = 16;

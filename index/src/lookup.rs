@@ -24,7 +24,8 @@
 //! Names resolve through a per-thread memo of the last resolution (four
 //! string compares when the next lookup asks the same). The only
 //! allocation is the result vector (and a small one on the AFFINITY_HINT /
-//! TENANT_HOT paths, and the memo's copy of the names when they change).
+//! TENANT_HOT paths, the memo's copy of the names when they change, and
+//! this thread's copy of the replicas' names when those change).
 
 use std::cell::RefCell;
 use std::sync::{Arc, Weak};
