@@ -33,6 +33,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use crossbeam_utils::CachePadded;
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 
@@ -55,9 +56,12 @@ pub(crate) struct ReplicaRecord {
     pub pending_tokens: AtomicU64,
     /// Requests hinted to it, decayed with the policy's half-life.
     assigned: Decayed,
-    /// Entries it reported stored and evicted recently (decayed counts).
-    stored: Decayed,
-    evicted: Decayed,
+    /// Entries it reported stored and evicted recently (decayed counts),
+    /// each on a cache line of its own: ingest writes them with every report
+    /// that adds or evicts entries, and every lookup reads the fields around
+    /// them and the evicted count (the stored one only once it evicts).
+    stored: CachePadded<Decayed>,
+    evicted: CachePadded<Decayed>,
     /// Uncached tokens of the last [`HINT_RING`] requests hinted to it (a
     /// ring written at `hints`, the count of every hint), and that count when
     /// its last stats arrived. Its queue is FIFO, so the requests it reported
@@ -108,7 +112,12 @@ impl ReplicaRecord {
 
     /// Marks it heard from at `now_ms` (never moves back).
     pub fn heard(&self, now_ms: u64) {
-        self.last_heard_ms.fetch_max(now_ms, Ordering::Relaxed);
+        // Read first: a replica reports many times within one millisecond
+        // of the clock, and every lookup reads this line, so a locked write
+        // that changes nothing would take it from their cores each time.
+        if self.last_heard_ms.load(Ordering::Relaxed) < now_ms {
+            self.last_heard_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
     }
 
     /// Whether it heartbeats (see the field).
