@@ -128,14 +128,15 @@ const BUSY_LOOKUPS: usize = 100_000;
 /// as it can, 20–30M/s here).
 const PACED_REPORTS_PER_SEC: f64 = 2_000_000.0;
 
-/// Times `lookup` on this thread while `ingest_one` runs on another, as
-/// fast as it can or at `rate` block reports per second; `ingest_one(i)`
-/// ingests feed item `i` and returns the block reports it made (or, for
-/// another thread that looks up, does lookup `i` and returns 1).
-fn under_ingest(
+/// Times `lookup` on this thread while `other` runs on another, as fast as
+/// it can or at `rate` units per second; `other(i)` does its `i`-th piece
+/// of work and returns the units it made: an ingesting thread ingests feed
+/// item `i` and returns its block reports, a looking-up one does lookup `i`
+/// and returns 1.
+fn beside_other_thread(
     chains: usize,
     mut lookup: impl FnMut(usize),
-    ingest_one: impl Fn(usize) -> usize + Sync,
+    other: impl Fn(usize) -> usize + Sync,
     rate: Option<f64>,
 ) -> Busy {
     let stop = AtomicBool::new(false);
@@ -146,7 +147,7 @@ fn under_ingest(
             let mut reports = 0usize;
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
-                reports += ingest_one(i);
+                reports += other(i);
                 i += 1;
                 if i == 64 {
                     started.store(true, Ordering::Relaxed);
@@ -296,14 +297,14 @@ fn ours(work: &Workload) -> Row {
         }
         u.prefixes[0].chain.len()
     };
-    let busy = under_ingest(work.chains.len(), &mut lookup, ingest, None);
-    let paced = under_ingest(
+    let busy = beside_other_thread(work.chains.len(), &mut lookup, ingest, None);
+    let paced = beside_other_thread(
         work.chains.len(),
         &mut lookup,
         ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
-    let beside = under_ingest(
+    let beside = beside_other_thread(
         work.chains.len(),
         &mut lookup,
         |i| {
@@ -440,14 +441,14 @@ fn kv_index(work: &Workload, entries: usize) -> Row {
         }
         chain.len()
     };
-    let busy = under_ingest(work.chains.len(), &mut lookup, ingest, None);
-    let paced = under_ingest(
+    let busy = beside_other_thread(work.chains.len(), &mut lookup, ingest, None);
+    let paced = beside_other_thread(
         work.chains.len(),
         &mut lookup,
         ingest,
         Some(PACED_REPORTS_PER_SEC),
     );
-    let beside = under_ingest(
+    let beside = beside_other_thread(
         work.chains.len(),
         &mut lookup,
         |i| {

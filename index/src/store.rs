@@ -1854,7 +1854,15 @@ impl Writing<'_> {
     /// Whether the heads table names `run`: made without a parent, and
     /// continued by others (it has a branch table).
     fn is_head(&self, run: u32) -> bool {
-        self.w.links[run as usize].parent == Link::NONE.parent && self.w.branches.contains_key(&run)
+        self.head_table(run).is_some()
+    }
+
+    /// The branch table of `run` if the heads table names it (see
+    /// [`is_head`](Self::is_head)).
+    fn head_table(&self, run: u32) -> Option<&Arc<Branches>> {
+        (self.w.links[run as usize].parent == Link::NONE.parent)
+            .then(|| self.w.branches.get(&run))
+            .flatten()
     }
 
     /// Makes the heads table's entry for `run` true: a run made without a
@@ -1866,10 +1874,7 @@ impl Writing<'_> {
         };
         let tag = body.probe(0).tag();
         let lines = self
-            .w
-            .branches
-            .get(&run)
-            .filter(|_| self.is_head(run))
+            .head_table(run)
             .map(|table| head_lines(body, self.store.runs.slot(run).hint().branch(), table));
         let Some(lines) = lines else {
             self.w.heads.remove(tag, run);
