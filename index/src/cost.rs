@@ -167,8 +167,8 @@ impl MemberLoads {
 /// hinted, which come from the same traffic as every other thread's.
 pub(crate) struct RequestTokenMeans {
     means: [CachePadded<AtomicU64>; MEAN_STRIPES],
-    /// Whether any mean has left 0 (it never returns there): until then a
-    /// thread whose own mean is 0 has no other to look at. Written once.
+    /// Whether any mean has ever left 0: until then a thread whose own mean
+    /// is 0 has no other to look at. Written once.
     any: CachePadded<AtomicBool>,
 }
 
