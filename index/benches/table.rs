@@ -109,14 +109,15 @@ struct Row {
     matched: Option<[u64; 3]>,
 }
 
-/// Lookups timed while another thread ingests.
+/// Lookups timed while another thread works (ingests or looks up).
 #[derive(Default)]
 struct Busy {
     p50_ns: u64,
     p99_ns: u64,
     p999_ns: u64,
-    /// The other thread's block reports per second.
-    ingest_per_sec: f64,
+    /// The other thread's units of work per second (block reports, or
+    /// lookups).
+    other_per_sec: f64,
 }
 
 /// Updates the ingesting thread cycles through (then clears its replica).
@@ -171,13 +172,13 @@ fn beside_other_thread(
             samples.push(t.elapsed().as_nanos() as u64);
         }
         stop.store(true, Ordering::Relaxed);
-        let ingest_per_sec = feeder.join().expect("feeder");
+        let other_per_sec = feeder.join().expect("feeder");
         samples.sort_unstable();
         Busy {
             p50_ns: percentile(&samples, 0.5),
             p99_ns: percentile(&samples, 0.99),
             p999_ns: percentile(&samples, 0.999),
-            ingest_per_sec,
+            other_per_sec,
         }
     })
 }
@@ -628,10 +629,10 @@ fn main() {
             r.busy.p50_ns as f64 / 1e3,
             r.busy.p99_ns as f64 / 1e3,
             r.busy.p999_ns as f64 / 1e3,
-            r.busy.ingest_per_sec / 1e6,
+            r.busy.other_per_sec / 1e6,
             r.busy.p99_ns as f64 / r.p99_ns as f64,
             r.paced.p99_ns as f64 / 1e3,
-            r.paced.ingest_per_sec / 1e6,
+            r.paced.other_per_sec / 1e6,
             r.paced.p99_ns as f64 / r.p99_ns as f64,
         );
     }
@@ -650,7 +651,7 @@ fn main() {
             r.p99_ns as f64 / 1e3,
             r.beside.p50_ns as f64 / 1e3,
             r.beside.p99_ns as f64 / 1e3,
-            r.beside.ingest_per_sec / 1e6,
+            r.beside.other_per_sec / 1e6,
             r.beside.p50_ns as f64 / r.p50_ns as f64,
             r.beside.p99_ns as f64 / r.p99_ns as f64,
         );

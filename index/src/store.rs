@@ -1860,9 +1860,10 @@ impl Writing<'_> {
     /// The branch table of `run` if the heads table names it (see
     /// [`is_head`](Self::is_head)).
     fn head_table(&self, run: u32) -> Option<&Arc<Branches>> {
-        (self.w.links[run as usize].parent == Link::NONE.parent)
-            .then(|| self.w.branches.get(&run))
-            .flatten()
+        if self.w.links[run as usize].parent != Link::NONE.parent {
+            return None;
+        }
+        self.w.branches.get(&run)
     }
 
     /// Makes the heads table's entry for `run` true: a run made without a
