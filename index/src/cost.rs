@@ -84,9 +84,9 @@ use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::catalog::{Catalog, ReplicaId};
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
-use crate::lookup::{Candidate, Ctx, Live, Ranked};
+use crate::lookup::{Candidate, Ctx, Ranked};
 use crate::messages::{Chain, Decision, ReplicaScore, Tier};
 use crate::policy::CachePolicy;
 use crate::store::HashRef;
@@ -103,10 +103,13 @@ const BRANCH_POINT_REQUESTS: u32 = 5;
 /// Weight of a new observation in the running mean of request tokens.
 const MEAN_ALPHA: f64 = 0.05;
 
-/// One live member as the cost ranker sees it.
+/// A live member of a lookup's serving set, as the cost ranker sees it.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct MemberCost {
+pub(crate) struct MemberCost<'f> {
     pub replica: ReplicaId,
+    /// Its fleet record, read once: by the liveness check, then for its
+    /// load and the hinted prefill.
+    pub record: Option<&'f ReplicaRecord>,
     /// Prefill tokens queued there.
     pub load: f64,
     /// Whether its queue is known from recent stats (else `load` adds the
@@ -127,36 +130,29 @@ pub(crate) struct MemberCost {
     pub order: u64,
 }
 
-pub(crate) type Members = SmallVec<[MemberCost; 32]>;
-
-/// The members' loads of one lookup, read at most once and shared by the
-/// ranking and the fallback. They stay where they were built: the list
-/// has room for 32 members inline (2 KiB), which a move would copy.
+/// Whether a lookup's members have their loads: read at most once, into
+/// the serving set itself, and shared by the ranking and the fallback.
 pub(crate) struct MemberLoads {
-    members: Members,
     read: bool,
 }
 
 impl MemberLoads {
     pub(crate) fn new() -> Self {
-        Self {
-            members: Members::new(),
-            read: false,
-        }
+        Self { read: false }
     }
 
-    /// The loads, read on first use.
-    pub(crate) fn get(
+    /// The members, their loads read on first use.
+    pub(crate) fn get<'m, 'f>(
         &mut self,
         index: &CacheIndex,
         ctx: &Ctx<'_>,
-        serving: &[Live<'_>],
-    ) -> &mut Members {
+        members: &'m mut [MemberCost<'f>],
+    ) -> &'m mut [MemberCost<'f>] {
         if !self.read {
-            index.member_loads(ctx, serving, &mut self.members);
+            index.member_loads(ctx, members);
             self.read = true;
         }
-        &mut self.members
+        members
     }
 }
 
@@ -243,20 +239,14 @@ impl CacheIndex {
     }
 
     /// Load of every live member, in prefill tokens (see the module notes).
-    fn member_loads(&self, ctx: &Ctx<'_>, serving: &[Live<'_>], members: &mut Members) {
+    fn member_loads(&self, ctx: &Ctx<'_>, members: &mut [MemberCost<'_>]) {
         let policy = ctx.policy;
         let mean_tokens = self.mean_request_tokens();
         let max_age_ms = u64::try_from(policy.load_stats_max_age.as_millis()).unwrap_or(u64::MAX);
         let half_life_ms = u64::try_from(policy.balance_half_life.as_millis()).unwrap_or(u64::MAX);
-        members.clear();
         let (mut known_sum, mut known) = (0.0, 0u32);
-        members.reserve(serving.len());
-        for &Live {
-            replica,
-            record,
-            order,
-        } in serving
-        {
+        for m in members.iter_mut() {
+            let record = m.record;
             let queued = record.and_then(|r| {
                 let stats = r.stats.as_ref()?;
                 (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
@@ -284,15 +274,10 @@ impl CacheIndex {
                 known_sum += q;
                 known += 1;
             }
-            members.push(MemberCost {
-                replica,
-                load: queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64,
-                load_known: queued.is_some(),
-                assigned: record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms)),
-                churn: record.map_or(0.0, |r| r.churn(ctx.now_ms)),
-                order,
-                ..MemberCost::default()
-            });
+            m.load = queued.unwrap_or(0.0) + record.map_or(0, |r| r.pending()) as f64;
+            m.load_known = queued.is_some();
+            m.assigned = record.map_or(0.0, |r| r.assigned(ctx.now_ms, half_life_ms));
+            m.churn = record.map_or(0.0, |r| r.churn(ctx.now_ms));
         }
         // A member whose load is unknown counts the mean of the known ones.
         if known > 0 && (known as usize) < members.len() {
@@ -327,7 +312,7 @@ struct CostView {
 
 fn cost_view(
     policy: &CachePolicy,
-    members: &mut [MemberCost],
+    members: &mut [MemberCost<'_>],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -412,7 +397,7 @@ fn cost_view(
 pub(crate) fn rank_by_cost(
     ctx: &Ctx<'_>,
     fleet: &Fleet,
-    members: &mut [MemberCost],
+    members: &mut [MemberCost<'_>],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     request_tokens: i64,
@@ -507,7 +492,7 @@ pub(crate) fn rank_by_cost(
 pub(crate) fn bounded_affinity(
     policy: &CachePolicy,
     catalog: &Catalog,
-    members: &mut [MemberCost],
+    members: &mut [MemberCost<'_>],
     cands: &[Candidate],
     chain: Option<Chain<'_>>,
     seed_block: usize,

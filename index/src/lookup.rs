@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 
 use crate::catalog::{Catalog, NameId, PartitionId, ReplicaId, ReplicaList, Scope, ScopeMemo};
 use crate::clock::ms_to_secs;
-use crate::cost::{MemberLoads, bounded_affinity, rank_by_cost};
+use crate::cost::{MemberCost, MemberLoads, bounded_affinity, rank_by_cost};
 use crate::fleet::{Fleet, ReplicaRecord};
 use crate::index::CacheIndex;
 use crate::messages::{
@@ -49,19 +49,9 @@ use crate::store::{Ahead, Key, Reader, Stretch};
 
 const INLINE: usize = 16;
 
-/// A live member of a lookup's serving set and its fleet record (read
-/// once, by the liveness check, and reused for its load and the hinted
-/// prefill).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Live<'f> {
-    pub replica: ReplicaId,
-    pub record: Option<&'f ReplicaRecord>,
-    /// Its name's place among the replicas' (`Catalog::replica_order`).
-    pub order: u64,
-}
-
-/// Live members of a lookup's serving set, sorted by replica id.
-pub(crate) type Serving<'f> = SmallVec<[Live<'f>; 32]>;
+/// Live members of a lookup's serving set, sorted by replica id; the cost
+/// ranker fills in their loads, matches and costs in place.
+pub(crate) type Serving<'f> = SmallVec<[MemberCost<'f>; 32]>;
 
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Candidate {
@@ -107,7 +97,7 @@ impl Candidates {
     /// its place there (so the ranking finds its member without a search).
     /// Both are sorted by replica id (candidates come from rows, which are),
     /// so this is one merge pass.
-    fn retain_live(&mut self, serving: &[Live<'_>]) {
+    fn retain_live(&mut self, serving: &[MemberCost<'_>]) {
         let list = self.list.as_mut_slice();
         // Where every live member holds the first block (a prompt shared
         // by the fleet), each candidate's place is its own.
@@ -399,10 +389,11 @@ fn serving_set<'f>(
         if Fleet::record_live(record, now_ms, timeout_ms, || {
             scope.is_some_and(|s| s.holds(member.replica))
         }) {
-            serving.push(Live {
+            serving.push(MemberCost {
                 replica: member.replica,
                 record,
                 order,
+                ..MemberCost::default()
             });
         }
     }
@@ -466,7 +457,6 @@ struct Scene<'a, 'r> {
     fleet: &'a Fleet,
     admitted: Admitted<'r>,
     at: Resolved<'a>,
-    serving: &'a [Live<'a>],
 }
 
 impl CacheIndex {
@@ -513,7 +503,6 @@ impl CacheIndex {
             fleet: &fleet,
             admitted,
             at,
-            serving: &serving,
         };
         // Then start the first block's run: its directory slot (the table
         // slot has likely arrived) is loaded while the members' loads are
@@ -531,17 +520,23 @@ impl CacheIndex {
         }
         let mut loads = MemberLoads::new();
         if read_loads {
-            loads.get(self, &scene.ctx, scene.serving);
+            loads.get(self, &scene.ctx, &mut serving);
         }
         let leaving = first.as_ref().map_or(Leaving::NONE, |(p, c, key)| {
             Leaving::of(&reader, *p, &c.hashes, 0, reader.touch_run(key))
         });
         let mut cands = Candidates::new();
-        let matched = self.find_holders(&scene, &reader, leaving, &mut cands);
+        let matched = self.find_holders(&scene, &serving, &reader, leaving, &mut cands);
         let missed = matches!(matched, Matched::Miss);
-        let ranked = self.rank(&scene, matched, &mut cands, &mut loads);
+        let ranked = self.rank(&scene, &mut serving, matched, &mut cands, &mut loads);
         let (decision, ranked) = decide(&scene, ranked, cands.as_slice(), missed);
-        let outcome = self.answer(&scene, ranked, decision, cands.as_slice(), &mut loads);
+        let outcome = self.answer(
+            &scene,
+            &mut serving,
+            (ranked, decision),
+            cands.as_slice(),
+            &mut loads,
+        );
         if expired(scene.admitted.deadline) {
             return LookupOutcome::empty(Reason::Timeout, "");
         }
@@ -551,7 +546,7 @@ impl CacheIndex {
                 &fleet,
                 &scene.ctx,
                 &outcome,
-                (cands.as_slice(), scene.serving),
+                (cands.as_slice(), &serving),
                 scene.admitted.request_tokens,
             );
         }
@@ -616,6 +611,7 @@ impl CacheIndex {
     fn find_holders<'k>(
         &self,
         scene: &Scene<'_, '_>,
+        serving: &[MemberCost<'_>],
         reader: &Reader<'_>,
         leaving: Leaving<'k>,
         cands: &mut Candidates,
@@ -641,7 +637,7 @@ impl CacheIndex {
         };
         // A replica that left or went silent is never named, and its
         // entries stop counting.
-        cands.retain_live(scene.serving);
+        cands.retain_live(serving);
         if cands.as_slice().is_empty() {
             matched = Matched::Miss;
         }
@@ -653,6 +649,7 @@ impl CacheIndex {
     fn rank(
         &self,
         scene: &Scene<'_, '_>,
+        serving: &mut [MemberCost<'_>],
         matched: Matched,
         cands: &mut Candidates,
         loads: &mut MemberLoads,
@@ -661,7 +658,6 @@ impl CacheIndex {
             ctx,
             catalog,
             fleet,
-            serving,
             ..
         } = scene;
         let request_tokens = scene.admitted.request_tokens;
@@ -705,17 +701,13 @@ impl CacheIndex {
     fn answer(
         &self,
         scene: &Scene<'_, '_>,
-        ranked: Ranked,
-        decision: Decision,
+        serving: &mut [MemberCost<'_>],
+        (ranked, decision): (Ranked, Decision),
         cands: &[Candidate],
         loads: &mut MemberLoads,
     ) -> LookupOutcome {
         let Scene {
-            req,
-            ctx,
-            catalog,
-            serving,
-            ..
+            req, ctx, catalog, ..
         } = scene;
         let policy = ctx.policy;
         let adapter = req.adapter_id;
@@ -770,7 +762,7 @@ impl CacheIndex {
         fleet: &Fleet,
         ctx: &Ctx<'_>,
         outcome: &LookupOutcome,
-        (cands, serving): (&[Candidate], &[Live<'_>]),
+        (cands, serving): (&[Candidate], &[MemberCost<'_>]),
         request_tokens: i64,
     ) {
         let now_ms = ctx.now_ms;
@@ -897,7 +889,7 @@ impl CacheIndex {
         catalog: &Catalog,
         fleet: &Fleet,
         scope: Option<&std::sync::Arc<Scope>>,
-        serving: &[Live<'_>],
+        serving: &[MemberCost<'_>],
     ) -> Vec<ReplicaScore> {
         let policy = ctx.policy;
         let max_age_ms = policy.tenant_hot_max_age.as_millis() as f64;
@@ -978,7 +970,7 @@ impl CacheIndex {
         &self,
         policy: &CachePolicy,
         catalog: &Catalog,
-        serving: &[Live<'_>],
+        serving: &[MemberCost<'_>],
         chain: Option<Chain<'_>>,
         prefix_hash: &[u8],
     ) -> Option<ReplicaScore> {

@@ -1172,7 +1172,10 @@ impl Body {
 
     /// The held stretch of `row` over positions `from..to`: how many
     /// cells from `from` on are held (the first one not held ends it), their
-    /// oldest last-seen second and their coldest (highest) tier.
+    /// oldest last-seen second and their coldest (highest) tier. Inlined
+    /// into the walk, which reads one per candidate and run: as a call it
+    /// was about 280 of a four-holder lookup's instructions.
+    #[inline(always)]
     pub fn row_stretch(&self, row: Row, from: usize, to: usize) -> Stretch {
         let slot = row.slot as usize;
         // Inside the slot's prefix the stretch is known from its first cell.
