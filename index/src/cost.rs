@@ -248,8 +248,8 @@ impl CacheIndex {
         for m in members.iter_mut() {
             let record = m.record;
             let queued = record.and_then(|r| {
-                let stats = r.stats.as_ref()?;
-                (ctx.now_ms.saturating_sub(r.stats_at_ms) <= max_age_ms).then(|| {
+                let stats = r.stats.get()?;
+                (ctx.now_ms.saturating_sub(stats.at_ms) <= max_age_ms).then(|| {
                     let (waiting, running) = (
                         u64::from(stats.requests_waiting),
                         u64::from(stats.requests_running),

@@ -23,18 +23,21 @@
 //! It also keeps a decayed count of the requests hinted to it (`assigned`),
 //! which spreads new sessions evenly even when every replica is idle.
 //!
-//! Concurrency: one `RwLock<Fleet>` in the index. Lookups take it shared and
-//! add to `pending` with an atomic. An update from a known member that brings
-//! no stats only moves the replica's last-heard time, an atomic, under the
-//! shared lock too ([`Fleet::touch`]), so the steady stream of block reports
-//! never takes the lock exclusively and never holds a lookup up; joins,
-//! leaves, stats and first contact take it exclusively. Cost: the serving set
+//! Concurrency: one reader-writer lock around the `Fleet` in the index.
+//! Lookups take it shared and add to `pending` with an atomic. An update
+//! from a known member only moves the replica's last-heard time, an atomic,
+//! and writes its stats, if it brings any, into the record's [`StatsCell`],
+//! which readers never wait for: both under the shared lock too
+//! ([`Fleet::touch`]), so the steady stream of block and stats reports never
+//! takes the lock exclusively and never holds a lookup up; joins, leaves and
+//! first contact take it exclusively. Cost: the serving set
 //! of a lookup is one hash probe plus a pass over that pair's members.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 
 use crossbeam_utils::CachePadded;
 use hashbrown::HashMap;
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 use crate::catalog::{IdList, NameId, ReplicaId, shrink_map};
@@ -43,10 +46,8 @@ use crate::messages::ReplicaStatsReport;
 /// What the index knows about one replica.
 #[derive(Debug, Default)]
 pub(crate) struct ReplicaRecord {
-    /// Last statistics reported for it.
-    pub stats: Option<ReplicaStatsReport>,
-    /// When they arrived (ms).
-    pub stats_at_ms: u64,
+    /// Last statistics reported for it, and when they arrived.
+    pub stats: StatsCell,
     /// Last update or event from it (ms).
     last_heard_ms: AtomicU64,
     /// It has sent a `REPLICA_UPDATED` naming tenant and model, so silence
@@ -74,6 +75,122 @@ pub(crate) struct ReplicaRecord {
 
 /// Hinted requests whose size a replica record remembers.
 const HINT_RING: usize = 32;
+
+/// A replica's last stats report, written through a shared reference, so a
+/// stats report from a known member takes the fleet's lock shared like any
+/// other report: the steady stream of them neither waits for lookups nor
+/// holds one up.
+///
+/// Lookups read the figures they rank with ([`StatsView`]) from two slots
+/// that writes fill in turn, so a reader never waits for a writer. Reports
+/// are numbered; `begun` and `done` hold the number of the last one started
+/// and finished. Report `n` raises `begun` to `n`, then (after a `Release`
+/// fence) fills slot `n % 2`, then publishes `done = n` with `Release`. A
+/// reader loads `done` (`Acquire`), reads that slot, and after an `Acquire`
+/// fence loads `begun`: the next write to its slot is report `done + 2`, and
+/// had the reader seen any word of it the fences would show it that
+/// report's `begun`, so `begun <= done + 1` proves the three words are one
+/// report's. Otherwise (two reports landed while it read) it reads again.
+///
+/// The whole report, strings included, is kept beside it for snapshots;
+/// its mutex also makes the writers of one record take turns.
+#[derive(Debug, Default)]
+pub(crate) struct StatsCell {
+    /// On a cache line of its own: lookups write the counters beside it in
+    /// the record (`pending`, the hint ring) with every hint.
+    figures: CachePadded<StatsFigures>,
+    report: Mutex<Option<(ReplicaStatsReport, u64)>>,
+}
+
+/// The part of a [`StatsCell`] lookups read: 64 bytes.
+#[derive(Debug, Default)]
+struct StatsFigures {
+    begun: AtomicU64,
+    done: AtomicU64,
+    slots: [StatsSlot; 2],
+}
+
+/// One slot of a [`StatsCell`]: a [`StatsView`] in three words.
+#[derive(Debug, Default)]
+struct StatsSlot {
+    at_ms: AtomicU64,
+    /// `requests_waiting << 32 | requests_running`.
+    queue: AtomicU64,
+    /// `pressure` bits `<< 32 |` `hit_rate` bits.
+    rates: AtomicU64,
+}
+
+/// What lookups read of a replica's last stats report.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StatsView {
+    /// When it arrived (ms).
+    pub at_ms: u64,
+    pub requests_waiting: u32,
+    pub requests_running: u32,
+    pub pressure: f32,
+    pub hit_rate: f32,
+}
+
+impl StatsCell {
+    /// The last report's figures; `None` before the first.
+    pub fn get(&self) -> Option<StatsView> {
+        loop {
+            if let Some(view) = self.read_once() {
+                return view;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// One read of the last report's figures: `None` when two reports
+    /// landed meanwhile and it has to be read again.
+    fn read_once(&self) -> Option<Option<StatsView>> {
+        let f = &*self.figures;
+        let done = f.done.load(Ordering::Acquire);
+        if done == 0 {
+            return Some(None);
+        }
+        let slot = &f.slots[(done % 2) as usize];
+        let at_ms = slot.at_ms.load(Ordering::Relaxed);
+        let queue = slot.queue.load(Ordering::Relaxed);
+        let rates = slot.rates.load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        (f.begun.load(Ordering::Relaxed) <= done + 1).then_some(Some(StatsView {
+            at_ms,
+            requests_waiting: (queue >> 32) as u32,
+            requests_running: queue as u32,
+            pressure: f32::from_bits((rates >> 32) as u32),
+            hit_rate: f32::from_bits(rates as u32),
+        }))
+    }
+
+    /// Records `report`, arrived at `now_ms`.
+    pub fn set(&self, report: ReplicaStatsReport, now_ms: u64) {
+        let mut whole = self.report.lock();
+        // Writers take turns under the mutex, so `done` is the last report.
+        let f = &*self.figures;
+        let n = f.done.load(Ordering::Relaxed) + 1;
+        f.begun.store(n, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let slot = &f.slots[(n % 2) as usize];
+        slot.at_ms.store(now_ms, Ordering::Relaxed);
+        slot.queue.store(
+            u64::from(report.requests_waiting) << 32 | u64::from(report.requests_running),
+            Ordering::Relaxed,
+        );
+        slot.rates.store(
+            u64::from(report.pressure.to_bits()) << 32 | u64::from(report.hit_rate.to_bits()),
+            Ordering::Relaxed,
+        );
+        f.done.store(n, Ordering::Release);
+        *whole = Some((report, now_ms));
+    }
+
+    /// The whole last report and when it arrived (ms), for snapshots.
+    pub fn report(&self) -> Option<(ReplicaStatsReport, u64)> {
+        self.report.lock().clone()
+    }
+}
 
 /// A count that halves every half-life (`f64` bits) and when it last moved.
 #[derive(Debug, Default)]
@@ -128,6 +245,16 @@ impl ReplicaRecord {
     /// Notes that it heartbeats.
     pub fn set_heartbeats(&self) {
         self.heartbeats.store(true, Ordering::Relaxed);
+    }
+
+    /// Records new stats and resets what was hinted since the last ones. A
+    /// hint counted while this runs may be dropped from `pending`, as if the
+    /// report had counted it.
+    pub fn set_stats(&self, stats: ReplicaStatsReport, now_ms: u64) {
+        self.stats.set(stats, now_ms);
+        self.pending_tokens.store(0, Ordering::Relaxed);
+        self.hints_at_stats
+            .store(self.hints.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Tokens hinted to it since its last stats report.
@@ -324,15 +451,11 @@ impl Fleet {
         true
     }
 
-    /// Records new stats and resets what was hinted since the last ones.
+    /// Records new stats for `replica`, creating its record if it has none.
     pub fn record_stats(&mut self, replica: ReplicaId, stats: ReplicaStatsReport, now_ms: u64) {
-        let record = self.records.get_or_default(replica);
-        record.stats = Some(stats);
-        record.stats_at_ms = now_ms;
-        record.pending_tokens.store(0, Ordering::Relaxed);
-        record
-            .hints_at_stats
-            .store(record.hints.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.records
+            .get_or_default(replica)
+            .set_stats(stats, now_ms);
     }
 
     /// Adds `replica` to the serving set of `(tenant, model)`, under `scheme`
@@ -489,6 +612,83 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report(n: u32) -> ReplicaStatsReport {
+        ReplicaStatsReport {
+            requests_waiting: n,
+            requests_running: n ^ 0x5555,
+            pressure: n as f32,
+            hit_rate: -(n as f32),
+            ..Default::default()
+        }
+    }
+
+    /// Whether `view` is all of report `n` (as [`report`] makes it, arrived
+    /// at `n` ms).
+    fn is_report(view: StatsView, n: u32) -> bool {
+        view == StatsView {
+            at_ms: u64::from(n),
+            requests_waiting: n,
+            requests_running: n ^ 0x5555,
+            pressure: n as f32,
+            hit_rate: -(n as f32),
+        }
+    }
+
+    #[test]
+    fn a_stats_read_is_taken_again_only_when_its_slot_was_rewritten() {
+        let cell = StatsCell::default();
+        assert_eq!(cell.get(), None);
+        cell.set(report(1), 1);
+        cell.set(report(2), 2);
+        assert!(is_report(cell.get().expect("stats"), 2));
+        assert_eq!(
+            cell.report().map(|(r, at)| (r.requests_waiting, at)),
+            Some((2, 2))
+        );
+        // Report 3 under way writes the other slot: the read stands.
+        cell.figures.begun.store(3, Ordering::Relaxed);
+        assert!(cell.read_once().flatten().is_some_and(|v| is_report(v, 2)));
+        // Report 4 under way writes this slot: read again.
+        cell.figures.begun.store(4, Ordering::Relaxed);
+        assert_eq!(cell.read_once(), None);
+    }
+
+    #[test]
+    fn stats_reads_beside_a_writer_see_whole_reports_in_order() {
+        let cell = StatsCell::default();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let (mut last, mut reads) = (0, 0u64);
+                        while !stop.load(Ordering::Relaxed) {
+                            if let Some(view) = cell.get() {
+                                let n = view.requests_waiting;
+                                assert!(is_report(view, n), "a torn read: {view:?}");
+                                assert!(n >= last, "report {n} read after {last}");
+                                last = n;
+                            }
+                            reads += 1;
+                        }
+                        reads
+                    })
+                })
+                .collect();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(300);
+            let mut n = 0;
+            while std::time::Instant::now() < deadline {
+                n += 1;
+                cell.set(report(n), u64::from(n));
+            }
+            stop.store(true, Ordering::Relaxed);
+            for r in readers {
+                assert!(r.join().expect("reader") > 0);
+            }
+            assert!(is_report(cell.get().expect("stats"), n));
+        });
+    }
 
     #[test]
     fn join_leave_and_schemes() {

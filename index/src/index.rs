@@ -716,8 +716,10 @@ impl CacheIndex {
     }
 
     /// Marks the replica heard, records its stats and joins it to the
-    /// `(tenant, model)` serving set under `scheme` (`join`), in one hold of
-    /// the fleet's write lock.
+    /// `(tenant, model)` serving set under `scheme` (`join`). For a known
+    /// member (and a known replica the stats describe) all of it happens
+    /// under the fleet's shared lock; otherwise in one hold of its write
+    /// lock.
     fn record_stats(
         &self,
         replica: ReplicaId,
@@ -726,12 +728,9 @@ impl CacheIndex {
         join: Option<[NameId; 3]>,
     ) {
         let target = match stats {
-            Some(s) if !s.replica_id.is_empty() => Some(self.replica_id(&s.replica_id)),
-            _ => None,
+            Some(s) if !s.replica_id.is_empty() => self.replica_id(&s.replica_id),
+            _ => replica,
         };
-        if stats.is_none() && self.fleet.read().touch(replica, now_ms, join) {
-            return;
-        }
         let stats = stats.map(|s| {
             let mut s = s.clone();
             if s.replica_id.is_empty() {
@@ -739,10 +738,20 @@ impl CacheIndex {
             }
             s
         });
+        {
+            let fleet = self.fleet.read();
+            let described = stats.is_none() || fleet.records.contains(target);
+            if described && fleet.touch(replica, now_ms, join) {
+                if let (Some(stats), Some(record)) = (stats, fleet.records.get(target)) {
+                    record.set_stats(stats, now_ms);
+                }
+                return;
+            }
+        }
         let mut fleet = self.fleet_write();
         fleet.heard(replica, now_ms);
         if let Some(stats) = stats {
-            fleet.record_stats(target.unwrap_or(replica), stats, now_ms);
+            fleet.record_stats(target, stats, now_ms);
         }
         if let Some([tenant, model, scheme]) = join {
             fleet.join(replica, tenant, model, Some(scheme));
@@ -1038,10 +1047,11 @@ impl CacheIndex {
             .iter()
             .map(|(&r, &entries)| {
                 let record = fleet.records.get(r);
+                let stats = record.and_then(|x| x.stats.report());
                 ReplicaState {
                     replica_id: catalog.replica_str(r).to_string(),
-                    stats: record.and_then(|x| x.stats.clone()),
-                    stats_received_ms: record.filter(|x| x.stats.is_some()).map(|x| x.stats_at_ms),
+                    stats_received_ms: stats.as_ref().map(|&(_, at_ms)| at_ms),
+                    stats: stats.map(|(report, _)| report),
                     last_heard_ms: record.map(ReplicaRecord::last_heard_ms),
                     entries,
                     heartbeats: record.is_some_and(ReplicaRecord::heartbeats),

@@ -185,14 +185,14 @@ impl Ctx<'_> {
     }
 
     fn pressure_factor(&self, record: Option<&ReplicaRecord>) -> f64 {
-        let Some(stats) = record.and_then(|r| r.stats.as_ref().map(|s| (r.stats_at_ms, s))) else {
+        let Some(stats) = record.and_then(|r| r.stats.get()) else {
             return 1.0;
         };
-        let age_ms = self.now_ms.saturating_sub(stats.0);
+        let age_ms = self.now_ms.saturating_sub(stats.at_ms);
         if age_ms as f64 > self.policy.eviction_ttl.as_secs_f64() * 1000.0 {
             return 1.0;
         }
-        (1.0 - self.policy.pressure_weight * f64::from(stats.1.pressure)).max(0.0)
+        (1.0 - self.policy.pressure_weight * f64::from(stats.pressure)).max(0.0)
     }
 
     fn slo_bias(&self, freshness: f64) -> f64 {
@@ -911,10 +911,10 @@ impl CacheIndex {
             let Some(record) = records.get(replica) else {
                 continue;
             };
-            let Some(stats) = record.stats.as_ref() else {
+            let Some(stats) = record.stats.get() else {
                 continue;
             };
-            let age_ms = ctx.now_ms.saturating_sub(record.stats_at_ms) as f64;
+            let age_ms = ctx.now_ms.saturating_sub(stats.at_ms) as f64;
             if age_ms >= max_age_ms || f64::from(stats.hit_rate) < policy.tenant_hot_min_hit_rate {
                 continue;
             }

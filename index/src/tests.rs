@@ -441,6 +441,33 @@ fn tenant_hot_for_exact_misses_only() {
 }
 
 #[test]
+fn a_members_stats_report_goes_through_while_a_lookup_reads_the_fleet() {
+    let f = fixture();
+    f.hold("A", &chain(1..2));
+    f.stats("A", 0.5, 0.0);
+    // A lookup holds the fleet shared from its serving set to its answer.
+    let in_flight = f.index.fleet.read();
+    let (done, arrived) = std::sync::mpsc::channel();
+    let fixture = &f;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            fixture.stats("A", 0.9, 0.5);
+            done.send(()).expect("the test waits for it");
+        });
+        let waited = arrived.recv_timeout(Duration::from_secs(10));
+        drop(in_flight);
+        assert!(
+            waited.is_ok(),
+            "a member's stats report waited for a lookup"
+        );
+    });
+    // And lookups rank with the new figures.
+    let o = f.lookup_exact(999, 64);
+    assert_eq!(o.reason, Reason::TenantHot);
+    assert!((o.scores[0].score - 0.45).abs() < 1e-6, "{:?}", o.scores);
+}
+
+#[test]
 fn tenant_hot_disabled_and_zero_age() {
     let f = fixture();
     f.hold("A", &chain(1..2));
