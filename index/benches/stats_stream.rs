@@ -7,6 +7,11 @@
 //! cores, as a busy server's workers are) each run 200,000 lookups of the
 //! table bench's workload (100,000 entries, two holders per chain).
 //!
+//! The feeder keeps to the rate by the clock, catching up without sleeping
+//! when it falls behind; with `FEED_WAIT=sleep` it sleeps one interval
+//! after every update instead, as a handler that waits for its stream's
+//! next message does (its rate is then the most it can take in that way).
+//!
 //! Printed for each thread count: the same lookups beside nothing (the
 //! baseline, same run), beside the stats reports, and beside as many bare
 //! heartbeats (updates with neither blocks nor stats): the updates a second
@@ -77,6 +82,7 @@ fn run(
     threads: usize,
     lookups: usize,
     feed: Option<(Feed, f64)>,
+    sleep_each: bool,
 ) -> Run {
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -93,8 +99,10 @@ fn run(
                     index.ingest(&update);
                     ingests.push(t.elapsed().as_nanos() as u64);
                     sent += 1;
-                    // Paced by the clock, not by sleeps added up.
-                    if let Some(wait) = (every * sent).checked_sub(start.elapsed()) {
+                    if sleep_each {
+                        std::thread::sleep(every);
+                    } else if let Some(wait) = (every * sent).checked_sub(start.elapsed()) {
+                        // Paced by the clock, not by sleeps added up.
                         std::thread::sleep(wait);
                     }
                 }
@@ -145,6 +153,7 @@ fn main() {
     let per_sec: f64 = env("STATS_PER_SEC")
         .and_then(|s| s.parse().ok())
         .unwrap_or(5_000.0);
+    let sleep_each = env("FEED_WAIT").is_some_and(|w| w == "sleep");
     let threads: Vec<usize> = env("THREADS")
         .unwrap_or_else(|| "1,4".into())
         .split(',')
@@ -178,7 +187,7 @@ fn main() {
             ("heartbeats", Some((Feed::Heartbeats, per_sec))),
         ];
         for (name, feed) in feeds {
-            let r = run(&index, &work, n, lookups, feed);
+            let r = run(&index, &work, n, lookups, feed, sleep_each);
             assert!(
                 feed.is_none() || !r.ingests.is_empty(),
                 "the feeder sent nothing"
