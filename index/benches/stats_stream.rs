@@ -32,7 +32,7 @@ use inference_cache_index::{
 };
 
 mod support;
-use support::{REPLICAS, Workload};
+use support::{REPLICAS, Workload, percentile};
 
 /// The lookups' latencies (ns, sorted), and the stats reports a second the
 /// feeder got in meanwhile with each one's ingest time (ns, sorted; none
@@ -41,10 +41,6 @@ struct Run {
     samples: Vec<u64>,
     reports_per_sec: f64,
     ingests: Vec<u64>,
-}
-
-fn percentile(sorted: &[u64], q: f64) -> f64 {
-    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)] as f64 / 1e3
 }
 
 /// What the feeder sends: stats reports, or heartbeats (updates with no
@@ -177,7 +173,7 @@ fn main() {
         if sorted.is_empty() {
             "–".to_string()
         } else {
-            format!("{:.2} µs", percentile(sorted, q))
+            format!("{:.2} µs", percentile(sorted, q) as f64 / 1e3)
         }
     };
     for &n in &threads {

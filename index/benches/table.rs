@@ -35,7 +35,7 @@ use inference_cache_index::{
 };
 
 mod support;
-use support::{CHAIN_BLOCKS, Workload};
+use support::{CHAIN_BLOCKS, Workload, percentile};
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
@@ -187,11 +187,6 @@ fn beside_other_thread(
 /// every chain in turn, in another order than this thread's.
 fn other_lookup(i: usize, chains: usize) -> usize {
     i.wrapping_mul(7919) % chains
-}
-
-fn percentile(sorted: &[u64], q: f64) -> u64 {
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 fn lookup_order(chains: usize, n: usize) -> Vec<usize> {

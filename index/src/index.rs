@@ -740,9 +740,9 @@ impl CacheIndex {
         });
         {
             let fleet = self.fleet.read();
-            let described = stats.is_none() || fleet.records.contains(target);
-            if described && fleet.touch(replica, now_ms, join) {
-                if let (Some(stats), Some(record)) = (stats, fleet.records.get(target)) {
+            let record = fleet.records.get(target);
+            if (stats.is_none() || record.is_some()) && fleet.touch(replica, now_ms, join) {
+                if let (Some(stats), Some(record)) = (stats, record) {
                     record.set_stats(stats, now_ms);
                 }
                 return;

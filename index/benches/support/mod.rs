@@ -132,3 +132,9 @@ pub fn update(r: usize, chain: &[Vec<u8>]) -> CacheUpdate {
         ..Default::default()
     }
 }
+
+/// The `q` quantile of `sorted` (ascending) samples.
+pub fn percentile(sorted: &[u64], q: f64) -> u64 {
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
