@@ -147,7 +147,7 @@ fn kv_index(work: &Workload, lookups: usize) {
 /// outside what callgrind counts).
 fn print_times(samples: &mut [u64]) {
     samples.sort_unstable();
-    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    let at = |q: f64| support::percentile(samples, q);
     println!(
         "lookup p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns",
         at(0.5),

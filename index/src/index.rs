@@ -740,7 +740,9 @@ impl CacheIndex {
         });
         {
             let fleet = self.fleet.read();
-            let record = fleet.records.get(target);
+            // The record the stats go to (none to find for an update
+            // without stats: block reports and heartbeats).
+            let record = stats.as_ref().and_then(|_| fleet.records.get(target));
             if (stats.is_none() || record.is_some()) && fleet.touch(replica, now_ms, join) {
                 if let (Some(stats), Some(record)) = (stats, record) {
                     record.set_stats(stats, now_ms);
