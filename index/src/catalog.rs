@@ -7,16 +7,19 @@
 //! and records which replicas hold at least one entry in it (the serving set
 //! behind distinguishing power, TENANT_HOT, AFFINITY_HINT and the diagnostics).
 //!
-//! Concurrency: the catalog sits behind one `RwLock` that is written only when a
-//! never-seen name or partition appears; lookups take it shared. Per-partition
-//! and per-scope counters are atomics or small mutexes updated once per ingest
-//! batch, never per lookup.
+//! Concurrency: the catalog sits behind a sharded reader-writer lock
+//! (`ReadMostly` in `index.rs`) that is written only when a never-seen name or
+//! partition appears or a sweep frees ids; lookups take it shared.
+//! Per-partition counters are atomics; a scope's per-replica entry counts sit
+//! under a mutex that only writers take (once per ingest batch), and lookups
+//! read the scope's holders from a list published through `arc-swap`.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 
+use arc_swap::ArcSwap;
 use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -44,12 +47,21 @@ pub(crate) struct Partition {
 }
 
 /// Adapter-blind `(tenant, model, scheme)` scope and its serving replicas.
+///
+/// Writers (ingest, removals, sweeps) keep the entry count of each replica
+/// under a mutex; lookups never take it. They read the replicas holding at
+/// least one entry from a sorted list that a writer replaces whenever a
+/// replica starts or stops holding (rare next to the entries themselves),
+/// loaded through `arc-swap` without a lock, so an ingest that is counting
+/// entries here never holds a lookup up.
 #[derive(Debug)]
 pub(crate) struct Scope {
     pub tenant: NameId,
     pub model: NameId,
     /// Entries per replica across the scope's partitions.
     replicas: Mutex<HashMap<ReplicaId, i64>>,
+    /// The keys of `replicas`, sorted: what lookups read.
+    holders: ArcSwap<Vec<ReplicaId>>,
     /// Replicas with at least one entry.
     serving: AtomicU32,
 }
@@ -60,6 +72,7 @@ impl Scope {
             tenant,
             model,
             replicas: Mutex::new(HashMap::new()),
+            holders: ArcSwap::from_pointee(Vec::new()),
             serving: AtomicU32::new(0),
         }
     }
@@ -74,13 +87,29 @@ impl Scope {
         let before = *count;
         *count += delta;
         let after = *count;
-        if before <= 0 && after > 0 {
-            self.serving.fetch_add(1, Ordering::Relaxed);
-        } else if before > 0 && after <= 0 {
-            self.serving.fetch_sub(1, Ordering::Relaxed);
-        }
         if after <= 0 {
             replicas.remove(&replica);
+        }
+        let starts = before <= 0 && after > 0;
+        let stops = before > 0 && after <= 0;
+        if starts {
+            self.serving.fetch_add(1, Ordering::Relaxed);
+        } else if stops {
+            self.serving.fetch_sub(1, Ordering::Relaxed);
+        }
+        if starts || stops {
+            // Under the mutex, so lists are published in the order the
+            // counts changed: a copy of the last one with `replica` put in
+            // or taken out.
+            let mut holders = Vec::clone(&self.holders.load());
+            match (holders.binary_search(&replica), starts) {
+                (Err(at), true) => holders.insert(at, replica),
+                (Ok(at), false) => {
+                    holders.remove(at);
+                }
+                _ => debug_assert!(false, "the holders' list follows the counts"),
+            }
+            self.holders.store(Arc::new(holders));
         }
     }
 
@@ -89,12 +118,24 @@ impl Scope {
         self.serving.load(Ordering::Relaxed)
     }
 
-    /// Whether `replica` holds at least one entry in the scope.
+    /// Whether `replica` holds at least one entry in the scope (lock-free).
     pub fn holds(&self, replica: ReplicaId) -> bool {
-        self.replicas.lock().contains_key(&replica)
+        self.holders.load().binary_search(&replica).is_ok()
     }
 
-    /// Replicas holding at least one entry, with their entry counts.
+    /// The replicas holding at least one entry, sorted by id (lock-free).
+    pub fn holders(&self) -> arc_swap::Guard<Arc<Vec<ReplicaId>>> {
+        self.holders.load()
+    }
+
+    /// The writers' mutex, as an ingest counting entries here holds it.
+    #[cfg(test)]
+    pub(crate) fn counting(&self) -> parking_lot::MutexGuard<'_, HashMap<ReplicaId, i64>> {
+        self.replicas.lock()
+    }
+
+    /// Replicas holding at least one entry, with their entry counts (for
+    /// snapshots: takes the writers' mutex).
     pub fn serving(&self) -> Vec<(ReplicaId, i64)> {
         self.replicas.lock().iter().map(|(&r, &n)| (r, n)).collect()
     }

@@ -468,6 +468,41 @@ fn a_members_stats_report_goes_through_while_a_lookup_reads_the_fleet() {
 }
 
 #[test]
+fn a_lookup_reads_a_scopes_holders_while_an_ingest_counts_them() {
+    let f = fixture();
+    let blocks = chain(1..3);
+    f.hold("A", &blocks);
+    f.stats("A", 0.9, 0.0);
+    // Silent past the replica timeout: A still serves, as it never
+    // heartbeat and holds entries, which the lookup reads from the scope;
+    // the TENANT_HOT path reads the same holders.
+    f.clock.advance(Duration::from_secs(31));
+    let scope = Arc::clone(f.index.catalog.read().scope(T, M, S).expect("the scope"));
+    let counting = scope.counting();
+    let (done, arrived) = std::sync::mpsc::channel();
+    let fixture = &f;
+    let blocks = &blocks;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let outcomes = (fixture.lookup_chain(blocks), fixture.lookup_exact(999, 64));
+            done.send(outcomes).expect("the test waits for it");
+        });
+        let waited = arrived.recv_timeout(Duration::from_secs(10));
+        drop(counting);
+        let (matched, hot) = waited.expect("a lookup waited for an ingest counting entries");
+        assert_eq!(matched.reason, Reason::PrefixMatch);
+        assert_eq!(matched.scores.len(), 1);
+        assert_eq!(matched.replica_id(&matched.scores[0]), "A");
+        assert_eq!(hot.reason, Reason::TenantHot);
+        assert_eq!(hot.replica_id(&hot.scores[0]), "A");
+    });
+    // Once A holds nothing there, neither path names it.
+    assert_eq!(f.clear("A").entries_removed, 2);
+    assert_ne!(f.lookup_chain(blocks).reason, Reason::PrefixMatch);
+    assert_ne!(f.lookup_exact(999, 64).reason, Reason::TenantHot);
+}
+
+#[test]
 fn tenant_hot_disabled_and_zero_age() {
     let f = fixture();
     f.hold("A", &chain(1..2));
