@@ -50,18 +50,18 @@ pub(crate) struct Partition {
 ///
 /// Writers (ingest, removals, sweeps) keep the entry count of each replica
 /// under a mutex; lookups never take it. They read the replicas holding at
-/// least one entry from a sorted list that a writer replaces whenever a
+/// least one entry from a [`HolderSet`] that a writer updates whenever a
 /// replica starts or stops holding (rare next to the entries themselves),
-/// loaded through `arc-swap` without a lock, so an ingest that is counting
-/// entries here never holds a lookup up.
+/// without a lock, so an ingest that is counting entries here never holds a
+/// lookup up.
 #[derive(Debug)]
 pub(crate) struct Scope {
     pub tenant: NameId,
     pub model: NameId,
     /// Entries per replica across the scope's partitions.
     replicas: Mutex<HashMap<ReplicaId, i64>>,
-    /// The keys of `replicas`, sorted: what lookups read.
-    holders: ArcSwap<Vec<ReplicaId>>,
+    /// The keys of `replicas`: what lookups read.
+    holders: HolderSet,
     /// Replicas with at least one entry.
     serving: AtomicU32,
 }
@@ -72,7 +72,7 @@ impl Scope {
             tenant,
             model,
             replicas: Mutex::new(HashMap::new()),
-            holders: ArcSwap::from_pointee(Vec::new()),
+            holders: HolderSet::default(),
             serving: AtomicU32::new(0),
         }
     }
@@ -97,19 +97,11 @@ impl Scope {
         } else if stops {
             self.serving.fetch_sub(1, Ordering::Relaxed);
         }
-        if starts || stops {
-            // Under the mutex, so lists are published in the order the
-            // counts changed: a copy of the last one with `replica` put in
-            // or taken out.
-            let mut holders = Vec::clone(&self.holders.load());
-            match (holders.binary_search(&replica), starts) {
-                (Err(at), true) => holders.insert(at, replica),
-                (Ok(at), false) => {
-                    holders.remove(at);
-                }
-                _ => debug_assert!(false, "the holders' list follows the counts"),
-            }
-            self.holders.store(Arc::new(holders));
+        // Under the mutex: the set's one writer at a time.
+        if starts {
+            self.holders.insert(replica);
+        } else if stops {
+            self.holders.remove(replica);
         }
     }
 
@@ -120,12 +112,12 @@ impl Scope {
 
     /// Whether `replica` holds at least one entry in the scope (lock-free).
     pub fn holds(&self, replica: ReplicaId) -> bool {
-        self.holders.load().binary_search(&replica).is_ok()
+        self.holders.contains(replica)
     }
 
-    /// The replicas holding at least one entry, sorted by id (lock-free).
-    pub fn holders(&self) -> arc_swap::Guard<Arc<Vec<ReplicaId>>> {
-        self.holders.load()
+    /// The replicas holding at least one entry, in id order (lock-free).
+    pub fn holders(&self) -> SmallVec<[ReplicaId; 16]> {
+        self.holders.ids()
     }
 
     /// The writers' mutex, as an ingest counting entries here holds it.
@@ -138,6 +130,114 @@ impl Scope {
     /// snapshots: takes the writers' mutex).
     pub fn serving(&self) -> Vec<(ReplicaId, i64)> {
         self.replicas.lock().iter().map(|(&r, &n)| (r, n)).collect()
+    }
+}
+
+/// Ids per chunk of a [`HolderSet`]: a chunk is 512 bytes.
+const HOLDER_CHUNK: usize = 4096;
+
+/// A set of replica ids that readers test and list without a lock, while
+/// one writer at a time (the caller sees to that) puts ids in and takes
+/// them out. A bitmap in chunks of [`HOLDER_CHUNK`] ids, each allocated
+/// once an id of its range is in the set and dropped once none is: a bit
+/// is set or cleared in place (an atomic word), and only a chunk coming or
+/// going replaces the table of chunks (through `arc-swap`, a copy of one
+/// pointer per chunk). So no change copies the set, however many replicas
+/// hold (a sorted list replaced on every change would copy it: time
+/// growing with the square of a flood of replica ids), and memory follows
+/// the id ranges in use, an eighth of a byte per id of a chunk.
+#[derive(Debug, Default)]
+pub(crate) struct HolderSet {
+    chunks: ArcSwap<Vec<Option<Arc<HolderChunk>>>>,
+}
+
+#[derive(Debug)]
+struct HolderChunk {
+    words: [AtomicU64; HOLDER_CHUNK / 64],
+}
+
+impl HolderSet {
+    /// Where `id`'s bit is: its chunk, word and bit.
+    fn place(id: ReplicaId) -> (usize, usize, u64) {
+        let id = id as usize;
+        (id / HOLDER_CHUNK, id % HOLDER_CHUNK / 64, 1 << (id % 64))
+    }
+
+    pub fn contains(&self, id: ReplicaId) -> bool {
+        let (c, w, bit) = Self::place(id);
+        let chunks = self.chunks.load();
+        chunks
+            .get(c)
+            .and_then(Option::as_ref)
+            .is_some_and(|chunk| chunk.words[w].load(Ordering::Acquire) & bit != 0)
+    }
+
+    /// The ids in the set, in order, each as it was at some moment of the
+    /// call (a listing beside the writer is not one instant's).
+    pub fn ids(&self) -> SmallVec<[ReplicaId; 16]> {
+        let chunks = self.chunks.load();
+        let mut ids = SmallVec::new();
+        for (c, chunk) in chunks.iter().enumerate() {
+            let Some(chunk) = chunk else { continue };
+            for (w, word) in chunk.words.iter().enumerate() {
+                let mut bits = word.load(Ordering::Acquire);
+                while bits != 0 {
+                    let at = c * HOLDER_CHUNK + w * 64 + bits.trailing_zeros() as usize;
+                    ids.push(at as ReplicaId);
+                    bits &= bits - 1;
+                }
+            }
+        }
+        ids
+    }
+
+    /// Puts `id` in (one writer at a time).
+    pub fn insert(&self, id: ReplicaId) {
+        let (c, w, bit) = Self::place(id);
+        let chunks = self.chunks.load();
+        if let Some(Some(chunk)) = chunks.get(c) {
+            chunk.words[w].fetch_or(bit, Ordering::Release);
+            return;
+        }
+        let chunk = HolderChunk {
+            words: std::array::from_fn(|_| AtomicU64::new(0)),
+        };
+        chunk.words[w].store(bit, Ordering::Relaxed);
+        let mut table = Vec::clone(&chunks);
+        if table.len() <= c {
+            table.resize(c + 1, None);
+        }
+        table[c] = Some(Arc::new(chunk));
+        self.chunks.store(Arc::new(table));
+    }
+
+    /// Takes `id` out (one writer at a time).
+    pub fn remove(&self, id: ReplicaId) {
+        let (c, w, bit) = Self::place(id);
+        let chunks = self.chunks.load();
+        let Some(Some(chunk)) = chunks.get(c) else {
+            return;
+        };
+        chunk.words[w].fetch_and(!bit, Ordering::Release);
+        if chunk
+            .words
+            .iter()
+            .any(|word| word.load(Ordering::Relaxed) != 0)
+        {
+            return;
+        }
+        let mut table = Vec::clone(&chunks);
+        table[c] = None;
+        while table.last().is_some_and(Option::is_none) {
+            table.pop();
+        }
+        self.chunks.store(Arc::new(table));
+    }
+
+    /// Chunks allocated.
+    #[cfg(test)]
+    fn chunks(&self) -> usize {
+        self.chunks.load().iter().flatten().count()
     }
 }
 
@@ -1023,5 +1123,100 @@ mod tests {
         let g2 = catalog.generation();
         catalog.free_unused(|_| true, |_| None);
         assert_ne!(catalog.generation(), g2);
+    }
+
+    #[test]
+    fn a_holder_set_follows_its_writer_and_frees_emptied_chunks() {
+        let set = HolderSet::default();
+        let far = 5 * HOLDER_CHUNK as ReplicaId + 17;
+        for id in [3, 64, 4095, 4096, far] {
+            set.insert(id);
+        }
+        assert_eq!(set.ids().as_slice(), &[3, 64, 4095, 4096, far]);
+        assert!(set.contains(4095) && set.contains(far) && !set.contains(65));
+        assert_eq!(set.chunks(), 3, "one per id range in use");
+        set.remove(4096);
+        assert_eq!(set.chunks(), 2, "an emptied chunk goes");
+        set.remove(far);
+        assert_eq!(set.chunks(), 1);
+        assert!(!set.contains(far) && !set.contains(4096));
+        set.remove(far);
+        set.remove(1_000_000);
+        assert_eq!(set.ids().as_slice(), &[3, 64, 4095]);
+        set.insert(4096);
+        assert_eq!(set.ids().as_slice(), &[3, 64, 4095, 4096]);
+    }
+
+    #[test]
+    fn a_flood_of_holders_costs_a_bit_each() {
+        // A scope that 100,000 replica ids start and stop holding in: each
+        // change sets or clears one bit (a sorted list copied per change
+        // would move 20 GB here).
+        let scope = Scope::new(0, 0);
+        let n = 100_000;
+        for id in 0..n {
+            scope.add(id, 1);
+        }
+        assert_eq!(scope.serving_count(), n);
+        assert!(scope.holds(n - 1) && !scope.holds(n));
+        assert_eq!(scope.holders.chunks(), (n as usize).div_ceil(HOLDER_CHUNK));
+        for id in (0..n).filter(|id| id % 2 == 0) {
+            scope.add(id, -1);
+        }
+        assert_eq!(scope.serving_count(), n / 2);
+        assert!(!scope.holds(0) && scope.holds(1));
+        let holders = scope.holders();
+        assert_eq!(holders.len(), (n / 2) as usize);
+        assert!(holders.iter().all(|id| id % 2 == 1));
+        assert!(holders.windows(2).all(|w| w[0] < w[1]));
+        for id in (0..n).filter(|id| id % 2 == 1) {
+            scope.add(id, -1);
+        }
+        assert_eq!(scope.holders.chunks(), 0, "nothing held, nothing kept");
+    }
+
+    #[test]
+    fn readers_of_a_holder_set_see_whole_states_beside_its_writer() {
+        // The writer keeps ids 0 and `far` in the set and moves a third
+        // through chunks that come and go; readers always find the two, and
+        // only ids the writer ever put in (a listing reads each id as it was
+        // at some moment of the call, as a lookup reads the store's keys).
+        let scope = Scope::new(0, 0);
+        let far = 3 * HOLDER_CHUNK as ReplicaId;
+        scope.add(0, 1);
+        scope.add(far, 1);
+        let moving = |round: u32| 1 + (round % 8) * HOLDER_CHUNK as ReplicaId / 2;
+        let allowed = |id: ReplicaId| id == 0 || id == far || (0..8).any(|r| moving(r) == id);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut reads = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            assert!(scope.holds(0) && scope.holds(far));
+                            let ids = scope.holders();
+                            assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+                            assert!(ids.contains(&0) && ids.contains(&far), "{ids:?}");
+                            assert!(ids.iter().all(|&id| allowed(id)), "{ids:?}");
+                            reads += 1;
+                        }
+                        reads
+                    })
+                })
+                .collect();
+            for round in 0..20_000u32 {
+                let id = moving(round);
+                if id != far {
+                    scope.add(id, 1);
+                    scope.add(id, -1);
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            for r in readers {
+                assert!(r.join().expect("a reader") > 0);
+            }
+        });
+        assert_eq!(scope.holders().as_slice(), &[0, far]);
     }
 }

@@ -901,7 +901,7 @@ impl CacheIndex {
         }
         let records = &fleet.records;
         let mut scores = Vec::new();
-        for &replica in scope.holders().iter() {
+        for replica in scope.holders() {
             if serving
                 .binary_search_by_key(&replica, |l| l.replica)
                 .is_err()
