@@ -1176,7 +1176,7 @@ mod tests {
     }
 
     #[test]
-    fn readers_of_a_holder_set_see_whole_states_beside_its_writer() {
+    fn readers_of_a_holder_set_find_what_its_writer_put_in() {
         // The writer keeps ids 0 and `far` in the set and moves a third
         // through chunks that come and go; readers always find the two, and
         // only ids the writer ever put in (a listing reads each id as it was
