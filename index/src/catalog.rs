@@ -12,7 +12,8 @@
 //! partition appears or a sweep frees ids; lookups take it shared.
 //! Per-partition counters are atomics; a scope's per-replica entry counts sit
 //! under a mutex that only writers take (once per ingest batch), and lookups
-//! read the scope's holders from a list published through `arc-swap`.
+//! read the scope's holders from a bitmap they need no lock for
+//! ([`HolderSet`]).
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -90,17 +91,12 @@ impl Scope {
         if after <= 0 {
             replicas.remove(&replica);
         }
-        let starts = before <= 0 && after > 0;
-        let stops = before > 0 && after <= 0;
-        if starts {
+        // Under the mutex: the holder set's one writer at a time.
+        if before <= 0 && after > 0 {
             self.serving.fetch_add(1, Ordering::Relaxed);
-        } else if stops {
-            self.serving.fetch_sub(1, Ordering::Relaxed);
-        }
-        // Under the mutex: the set's one writer at a time.
-        if starts {
             self.holders.insert(replica);
-        } else if stops {
+        } else if before > 0 && after <= 0 {
+            self.serving.fetch_sub(1, Ordering::Relaxed);
             self.holders.remove(replica);
         }
     }
