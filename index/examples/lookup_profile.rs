@@ -16,6 +16,9 @@
 //! # ingest: --toggle-collect='*CacheIndex*ingest*' / '*ChainIndex*apply_stored*'
 //! # the store's match step alone: OP=match, --toggle-collect='*CacheIndex*match_chain*'
 //! ```
+//!
+//! `GAP_US=200` spaces the lookups (of either index) by that many
+//! microseconds of spinning, untimed.
 
 #[path = "../benches/support/mod.rs"]
 mod support;
@@ -71,6 +74,7 @@ fn main() {
         let decoded = work.block_chains[c].clone();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
         request.chain = ChainInput::Wire(&decoded);
+        gap();
         let t = Instant::now();
         if match_only {
             let found = black_box(index.match_chain(&request));
@@ -131,6 +135,7 @@ fn kv_index(work: &Workload, lookups: usize) {
     for _ in 0..lookups {
         c = (c + 7919) % requests.len();
         let decoded = requests[c].clone();
+        gap();
         let t = Instant::now();
         let scores = black_box(index.find_matches(&decoded, false));
         samples.push(t.elapsed().as_nanos() as u64);
@@ -141,6 +146,19 @@ fn kv_index(work: &Workload, lookups: usize) {
     }
     println!("kv-index: {reports} block reports, {lookups} lookups");
     print_times(&mut samples);
+}
+
+/// With `GAP_US` set, waits that many microseconds (spinning) before the
+/// next lookup is timed, as a server does other work between lookups: the
+/// lookup then finds fewer of its lines in the core's caches.
+fn gap() {
+    let Some(us) = std::env::var("GAP_US").ok().and_then(|g| g.parse().ok()) else {
+        return;
+    };
+    let until = Instant::now() + std::time::Duration::from_micros(us);
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
 }
 
 /// Lookup time percentiles (each lookup timed alone, as in the table bench;
