@@ -25,7 +25,7 @@ mod support;
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, Reason, SystemClock};
 use support::Workload;
@@ -48,9 +48,10 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(100_000);
     let work = Workload::new(entries, holders);
+    let gap = gap_from_env();
     if std::env::var("INDEX").is_ok_and(|v| v == "kv-index") {
         #[cfg(feature = "compare-kv-index")]
-        return kv_index(&work, lookups);
+        return kv_index(&work, lookups, gap);
         #[cfg(not(feature = "compare-kv-index"))]
         panic!("INDEX=kv-index needs --features compare-kv-index");
     }
@@ -74,7 +75,7 @@ fn main() {
         let decoded = work.block_chains[c].clone();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
         request.chain = ChainInput::Wire(&decoded);
-        gap();
+        wait(gap);
         let t = Instant::now();
         if match_only {
             let found = black_box(index.match_chain(&request));
@@ -95,7 +96,7 @@ fn main() {
 }
 
 #[cfg(feature = "compare-kv-index")]
-fn kv_index(work: &Workload, lookups: usize) {
+fn kv_index(work: &Workload, lookups: usize, gap: Option<Duration>) {
     use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
     let index = ChainIndex::new();
     let workers: Vec<u32> = (0..support::REPLICAS)
@@ -135,7 +136,7 @@ fn kv_index(work: &Workload, lookups: usize) {
     for _ in 0..lookups {
         c = (c + 7919) % requests.len();
         let decoded = requests[c].clone();
-        gap();
+        wait(gap);
         let t = Instant::now();
         let scores = black_box(index.find_matches(&decoded, false));
         samples.push(t.elapsed().as_nanos() as u64);
@@ -148,14 +149,19 @@ fn kv_index(work: &Workload, lookups: usize) {
     print_times(&mut samples);
 }
 
-/// With `GAP_US` set, waits that many microseconds (spinning) before the
-/// next lookup is timed, as a server does other work between lookups: the
-/// lookup then finds fewer of its lines in the core's caches.
-fn gap() {
-    let Some(us) = std::env::var("GAP_US").ok().and_then(|g| g.parse().ok()) else {
+/// The wait before each lookup that `GAP_US` asks for, if any: a server
+/// does other work between lookups.
+fn gap_from_env() -> Option<Duration> {
+    let us = std::env::var("GAP_US").ok()?.parse().ok()?;
+    Some(Duration::from_micros(us))
+}
+
+/// Spins for `gap`, if any (untimed, before a lookup).
+fn wait(gap: Option<Duration>) {
+    let Some(gap) = gap else {
         return;
     };
-    let until = Instant::now() + std::time::Duration::from_micros(us);
+    let until = Instant::now() + gap;
     while Instant::now() < until {
         std::hint::spin_loop();
     }
