@@ -10,7 +10,9 @@
 //! fire on a 1 ms wheel, so sends go out in small bursts) is reported
 //! separately, so a client that fell behind cannot hide queueing. The
 //! server's own `lookup_latency_us`, its CPU time per request and the reason
-//! codes are reported too.
+//! codes are reported too. `GRPC_BENCH_SERVER` names another build of the
+//! binary to start instead (the image's static one, say), so builds can be
+//! compared under the same client.
 //!
 //! Run: `cargo bench -p inference-cache --bench grpc_lookup`
 
@@ -77,7 +79,12 @@ fn free_port() -> anyhow::Result<SocketAddr> {
 async fn spawn_server() -> anyhow::Result<(ServerProcess, String)> {
     let grpc = free_port()?;
     let admin = free_port()?;
-    let child = Command::new(env!("CARGO_BIN_EXE_inference-cache"))
+    // `GRPC_BENCH_SERVER` runs another build of the binary (the image's
+    // static musl one, say) against the same client.
+    let binary = std::env::var_os("GRPC_BENCH_SERVER")
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_inference-cache").into());
+    let child = Command::new(binary)
         .args(["serve", "--grpc-addr", &grpc.to_string()])
         .args(["--admin-addr", &admin.to_string()])
         .args(["--max-index-entries", "100000000", "--log-format", "json"])

@@ -18,7 +18,11 @@
 //! ```
 //!
 //! `GAP_US=200` spaces the lookups (of either index) by that many
-//! microseconds of spinning, untimed.
+//! microseconds of spinning, untimed. Besides the percentiles it prints the
+//! mean and how many lookups took over 4 µs, per millisecond spent looking
+//! up: interruptions that come with time (timer ticks, the host) land at
+//! the same rate per millisecond in any index's lookups, though a slower
+//! lookup needs a shorter one to cross the line.
 
 #[path = "../benches/support/mod.rs"]
 mod support;
@@ -181,4 +185,17 @@ fn print_times(samples: &mut [u64]) {
         at(0.99),
         at(0.999)
     );
+    // Lookups that took a stall of microseconds (an interrupt, a page
+    // walk from memory): how often, against the time spent looking up.
+    let total_ns: u64 = samples.iter().sum();
+    let stalled = samples.len() - samples.partition_point(|&t| t < STALL_NS);
+    println!(
+        "mean {} ns, {stalled} lookups over {} µs ({:.1} per ms looking up)",
+        total_ns / samples.len().max(1) as u64,
+        STALL_NS / 1000,
+        stalled as f64 / (total_ns as f64 / 1e6).max(f64::MIN_POSITIVE)
+    );
 }
+
+/// What counts as a stall in [`print_times`].
+const STALL_NS: u64 = 4_000;

@@ -40,49 +40,23 @@ use crate::pd_route::PdTopologies;
 /// is asked to hand free pages back to the system.
 const RELEASE_AFTER_FREED: u64 = 1024;
 
-/// Hands the allocator's free pages back to the system. glibc keeps freed
-/// small allocations in its arenas, so after a flood of names or entries is
-/// cleared the resident size would stay at the peak: measured with 20,000
-/// tenant / model / replica names reported and cleared, the release server
-/// stayed at 3.6 × its start-up RSS, and `malloc_trim` takes it down (see
-/// `cargo bench -p inference-cache --bench name_flood`). One call
-/// walks the arenas once (about a millisecond after such a flood), and only a
-/// sweep that freed at least [`RELEASE_AFTER_FREED`] things makes it. Other
-/// allocators (musl's in the static image) return memory on their own.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// Hands the allocator's free pages back to the system now rather than
+/// when it next gets round to it. The binary allocates with mimalloc
+/// (`cli/src/main.rs` says why); after a flood of names or entries is
+/// cleared, a forced collection purges the pages the freed allocations
+/// leave empty (see `cargo bench -p inference-cache --bench name_flood`).
+/// Only a sweep that freed at least [`RELEASE_AFTER_FREED`] things asks.
+/// In a process that allocates with another allocator (the library's own
+/// tests) mimalloc holds nothing, and the call finds nothing to do.
 fn release_free_memory() {
-    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes
-    // no pointer and is safe to call from any thread at any time.
+    // SAFETY: mi_collect takes no pointer; it walks mimalloc's own heaps
+    // and may be called from any thread at any time.
     #[allow(unsafe_code)]
     unsafe {
-        libc::malloc_trim(0);
+        libmimalloc_sys::mi_collect(true);
     }
 }
 
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn release_free_memory() {}
-
-/// Sets glibc's allocator to one arena unless the environment already tunes
-/// it (`MALLOC_ARENA_MAX`, `GLIBC_TUNABLES`). With an arena per thread, the
-/// small allocations a cleared flood of names leaves alive pin free pages in
-/// every arena: after 100,000 names reported and cleared the server stayed
-/// at 2.0–2.3 × its start-up RSS with the default arenas (2.1 × with two),
-/// and 1.3 × with one (`name_flood` bench). Per-thread caches still serve
-/// most small allocations without taking the arena's lock. Call it before
-/// any thread starts.
-pub fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none()
-        && std::env::var_os("GLIBC_TUNABLES").is_none()
-    {
-        // SAFETY: mallopt only sets an allocator parameter; called before
-        // other threads exist, it races with nothing.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 1);
-        }
-    }
-}
 use crate::replication::LogSink;
 use crate::streams::{StreamArgs, StreamSettings, Streams};
 

@@ -45,7 +45,7 @@ pub use config::{
     DEFAULT_ADMIN_ADDR, DEFAULT_GRPC_ADDR, ServeConfig, ShutdownArgs, ShutdownSettings,
 };
 pub use grpc::{block_chain, cache_update, derived_chain, exact_token_count};
-pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings, tune_allocator};
+pub use index_runtime::{ClockHandle, IndexArgs, IndexSettings};
 pub use limits::{LimitArgs, Limits};
 pub use metrics::Metrics;
 pub use outcomes::OutcomeSettings;
