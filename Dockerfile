@@ -15,7 +15,7 @@ WORKDIR /src
 COPY . .
 # rust-toolchain.toml pins the toolchain; add the musl target to it.
 RUN rustup target add x86_64-unknown-linux-musl
-# ring's C code needs a musl C compiler.
+# The C code of ring and mimalloc needs a musl C compiler.
 ENV CC_x86_64_unknown_linux_musl=musl-gcc
 RUN cargo build --release --locked --target x86_64-unknown-linux-musl \
         -p inference-cache --bin inference-cache \
