@@ -79,8 +79,6 @@ fn free_port() -> anyhow::Result<SocketAddr> {
 async fn spawn_server() -> anyhow::Result<(ServerProcess, String)> {
     let grpc = free_port()?;
     let admin = free_port()?;
-    // `GRPC_BENCH_SERVER` runs another build of the binary (the image's
-    // static musl one, say) against the same client.
     let binary = std::env::var_os("GRPC_BENCH_SERVER")
         .filter(|b| !b.is_empty())
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_inference-cache").into());

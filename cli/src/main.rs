@@ -141,14 +141,12 @@ async fn demo(args: inference_cache_demo::DemoArgs) -> anyhow::Result<()> {
 }
 
 /// Every allocation of the binary goes through mimalloc, whichever C library
-/// it is linked against. The static image's musl allocator serialises
-/// threads on one lock: 77–79 µs of server CPU per LookupRoute at 10,000
-/// requests/s against 33 µs with mimalloc, and at 20,000/s it fell behind
-/// (client p50 5.9–24 ms against 0.67 ms). glibc's, run with one arena to
-/// keep a cleared flood of names from pinning pages in every arena, took
-/// 53–54 µs at 10,000/s against 32–34 µs (`cargo bench -p inference-cache
-/// --bench grpc_lookup`; docs/performance.md, "Allocator", also says why
-/// mimalloc is built without its huge-page advice).
+/// it is linked against: musl's allocator (the static image's) serialises
+/// threads on one lock, and glibc's ran with one arena; server CPU per
+/// LookupRoute dropped by a tenth to more than half (docs/performance.md,
+/// "Allocator", with the figures and why it is built without huge-page
+/// advice). The server's sweep has it hand emptied pages back
+/// (`release_free_memory` in the server crate).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
