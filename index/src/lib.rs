@@ -57,6 +57,7 @@ mod cost;
 mod fleet;
 mod index;
 mod lookup;
+mod matching;
 mod messages;
 mod policy;
 mod store;
