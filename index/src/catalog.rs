@@ -424,14 +424,22 @@ impl<T, C: ChunkItems<T>> IdList<T, C> {
 
     /// Drops the trailing chunk pointers no item is behind.
     pub fn shrink(&mut self) {
-        while self.chunks.len() > (self.next as usize).div_ceil(ID_CHUNK)
-            && self.chunks.last().is_some_and(Option::is_none)
-        {
+        while self.trailing_empty_chunk() {
             self.chunks.pop();
         }
         if self.chunks.capacity() > 2 * self.chunks.len() + 16 {
             self.chunks.shrink_to_fit();
         }
+    }
+
+    /// Whether [`shrink`](Self::shrink) would give back room.
+    pub fn shrink_due(&self) -> bool {
+        self.trailing_empty_chunk() || self.chunks.capacity() > 2 * self.chunks.len() + 16
+    }
+
+    fn trailing_empty_chunk(&self) -> bool {
+        self.chunks.len() > (self.next as usize).div_ceil(ID_CHUNK)
+            && self.chunks.last().is_some_and(Option::is_none)
     }
 
     /// Live items with their ids, in id order.
@@ -547,7 +555,34 @@ impl<T> Slab<T> {
     }
 }
 
-/// What [`Catalog::free_unused`] dropped.
+/// What [`Catalog::unused`] found nothing refers to, each with the key it
+/// is filed under, for [`Catalog::free`].
+#[derive(Debug, Default)]
+pub(crate) struct Unused {
+    partitions: Vec<([NameId; 4], PartitionId)>,
+    scopes: Vec<([NameId; 3], u32)>,
+    joined: Vec<[NameId; 2]>,
+    names: Vec<(Arc<str>, NameId)>,
+    tenant_entries: Vec<NameId>,
+    replicas: Vec<(Arc<str>, ReplicaId)>,
+    /// A map holds four times the room its entries need.
+    shrink: bool,
+}
+
+impl Unused {
+    /// Nothing to drop and no room to give back.
+    pub fn is_empty(&self) -> bool {
+        self.partitions.is_empty()
+            && self.scopes.is_empty()
+            && self.joined.is_empty()
+            && self.names.is_empty()
+            && self.tenant_entries.is_empty()
+            && self.replicas.is_empty()
+            && !self.shrink
+    }
+}
+
+/// What [`Catalog::free`] dropped.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Freed {
     pub partitions: usize,
@@ -859,94 +894,144 @@ impl Catalog {
     /// holders, names nothing refers to and replicas `busy` does not claim.
     /// `members(pair)` gives the hash schemes of the fleet's members of a
     /// `(tenant, model)` pair, or `None` when it has none.
+    #[cfg(test)]
     pub fn free_unused(
         &mut self,
         busy: impl Fn(ReplicaId) -> bool,
         members: impl Fn([NameId; 2]) -> Option<Vec<NameId>>,
     ) -> Freed {
-        let mut freed = Freed::default();
-        self.generation = Generation::next();
-        let Self {
-            partition_ids,
-            partitions,
-            by_pair,
-            ..
-        } = self;
-        partition_ids.retain(|&[tenant, model, ..], &mut p| {
-            let empty = partitions.get(p).is_none_or(|q| {
+        let unused = self.unused(busy, members);
+        self.free(unused)
+    }
+
+    /// What [`free`](Self::free) would drop now (see
+    /// [`free_unused`](Self::free_unused) for `busy` and `members`): read
+    /// only, so a sweep finds under the shared lock whether anything is
+    /// due, and takes the catalog exclusively only then. What goes with
+    /// what it drops counts as unused too: a scope whose every partition
+    /// is dropped, the names only those referred to.
+    pub fn unused(
+        &self,
+        busy: impl Fn(ReplicaId) -> bool,
+        members: impl Fn([NameId; 2]) -> Option<Vec<NameId>>,
+    ) -> Unused {
+        let mut unused = Unused::default();
+        let mut used: HashSet<NameId> = HashSet::new();
+        for (&key, &p) in &self.partition_ids {
+            let empty = self.partitions.get(p).is_none_or(|q| {
                 q.entries.load(Ordering::Relaxed) <= 0 && q.keys.load(Ordering::Relaxed) <= 0
             });
             if empty {
-                partitions.remove(p);
-                freed.partitions += 1;
-                if let Some(list) = by_pair.get_mut(&[tenant, model]) {
-                    list.retain(|&mut q| q != p);
-                    if list.is_empty() {
-                        by_pair.remove(&[tenant, model]);
-                    }
+                unused.partitions.push((key, p));
+            } else {
+                used.extend(key);
+            }
+        }
+        let dropped: HashSet<PartitionId> = unused.partitions.iter().map(|&(_, p)| p).collect();
+        let scope_used: HashSet<u32> = self
+            .partitions
+            .with_ids()
+            .filter(|(id, _)| !dropped.contains(id))
+            .map(|(_, p)| p.scope)
+            .collect();
+        for (&key, &s) in &self.scope_ids {
+            let keep = scope_used.contains(&s)
+                || self
+                    .scopes
+                    .get(s)
+                    .is_some_and(|scope| scope.serving_count() > 0);
+            if keep {
+                used.extend(key);
+            } else {
+                unused.scopes.push((key, s));
+            }
+        }
+        for &pair in &self.joined {
+            match members(pair) {
+                Some(schemes) => {
+                    used.extend(pair);
+                    used.extend(schemes);
+                }
+                None => unused.joined.push(pair),
+            }
+        }
+        unused.names = self
+            .names
+            .iter()
+            .filter(|&(_, id)| !used.contains(id))
+            .map(|(name, &id)| (name.clone(), id))
+            .collect();
+        unused.tenant_entries = self
+            .tenant_entries
+            .keys()
+            .filter(|&t| !used.contains(t))
+            .copied()
+            .collect();
+        unused.replicas = self
+            .replicas
+            .iter()
+            .filter(|&(_, &id)| !busy(id))
+            .map(|(name, &id)| (name.clone(), id))
+            .collect();
+        unused.shrink = shrink_due(self.names.len(), self.names.capacity())
+            || shrink_due(self.replicas.len(), self.replicas.capacity())
+            || shrink_due(self.partition_ids.len(), self.partition_ids.capacity())
+            || shrink_due(self.by_pair.len(), self.by_pair.capacity())
+            || shrink_due(self.scope_ids.len(), self.scope_ids.capacity())
+            || shrink_due(self.tenant_entries.len(), self.tenant_entries.capacity())
+            || shrink_due(self.joined.len(), self.joined.capacity());
+        unused
+    }
+
+    /// Drops what [`unused`](Self::unused) found, which the caller keeps
+    /// true by holding the catalog exclusively since (or by finding it
+    /// again under the exclusive lock).
+    pub fn free(&mut self, unused: Unused) -> Freed {
+        let mut freed = Freed::default();
+        for (key, p) in unused.partitions {
+            self.partition_ids.remove(&key);
+            self.partitions.remove(p);
+            freed.partitions += 1;
+            let [tenant, model, ..] = key;
+            if let Some(list) = self.by_pair.get_mut(&[tenant, model]) {
+                list.retain(|&mut q| q != p);
+                if list.is_empty() {
+                    self.by_pair.remove(&[tenant, model]);
                 }
             }
-            !empty
-        });
-        let mut scope_used: HashSet<u32> = self.partitions.iter().map(|p| p.scope).collect();
-        let Self {
-            scope_ids, scopes, ..
-        } = self;
-        scope_ids.retain(|_, &mut s| {
-            let keep = scope_used.contains(&s)
-                || scopes.get(s).is_some_and(|scope| scope.serving_count() > 0);
-            if !keep {
-                scopes.remove(s);
-                freed.scopes += 1;
-            }
-            keep
-        });
-        scope_used.clear();
-        let mut used: HashSet<NameId> = HashSet::new();
-        used.extend(self.partition_ids.keys().flatten().copied());
-        used.extend(self.scope_ids.keys().flatten().copied());
-        self.joined.retain(|&pair| match members(pair) {
-            Some(schemes) => {
-                used.extend(pair);
-                used.extend(schemes);
-                true
-            }
-            None => false,
-        });
-        let Self {
-            names, name_list, ..
-        } = self;
-        names.retain(|_, &mut id| {
-            let keep = used.contains(&id);
-            if !keep {
-                name_list.remove(id);
-                freed.names += 1;
-            }
-            keep
-        });
-        self.tenant_entries.retain(|t, _| used.contains(t));
-        let Self {
-            replicas,
-            replica_list,
-            replica_order,
-            ..
-        } = self;
-        replicas.retain(|name, &mut id| {
-            let keep = busy(id);
-            if !keep {
-                Arc::make_mut(replica_list).remove(id);
-                replica_order.remove(name);
-                freed.replicas += 1;
-            }
-            keep
-        });
+        }
+        for (key, s) in unused.scopes {
+            self.scope_ids.remove(&key);
+            self.scopes.remove(s);
+            freed.scopes += 1;
+        }
+        for pair in unused.joined {
+            self.joined.remove(&pair);
+        }
+        for (name, id) in unused.names {
+            self.names.remove(&name);
+            self.name_list.remove(id);
+            freed.names += 1;
+        }
+        for tenant in unused.tenant_entries {
+            self.tenant_entries.remove(&tenant);
+        }
+        for (name, id) in unused.replicas {
+            self.replicas.remove(&name);
+            Arc::make_mut(&mut self.replica_list).remove(id);
+            self.replica_order.remove(&name);
+            freed.replicas += 1;
+        }
+        if freed != Freed::default() {
+            self.generation = Generation::next();
+        }
         shrink_map(&mut self.names);
         shrink_map(&mut self.replicas);
         shrink_map(&mut self.partition_ids);
         shrink_map(&mut self.by_pair);
         shrink_map(&mut self.scope_ids);
         shrink_map(&mut self.tenant_entries);
-        if self.joined.capacity() > SHRINK_FROM && self.joined.len() * 4 < self.joined.capacity() {
+        if shrink_due(self.joined.len(), self.joined.capacity()) {
             self.joined.shrink_to_fit();
         }
         freed
@@ -960,9 +1045,15 @@ const SHRINK_FROM: usize = 256;
 /// flood of names is cleared, maps would otherwise keep their peak size.
 /// Only the sweep calls it; a map that refills pays one regrowth.
 pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
-    if map.capacity() > SHRINK_FROM && map.len() * 4 < map.capacity() {
+    if shrink_due(map.len(), map.capacity()) {
         map.shrink_to_fit();
     }
+}
+
+/// Whether a map or set of `len` entries in room for `capacity` gives back
+/// its room: past [`SHRINK_FROM`], at under a quarter full.
+pub(crate) fn shrink_due(len: usize, capacity: usize) -> bool {
+    capacity > SHRINK_FROM && len * 4 < capacity
 }
 
 #[cfg(test)]

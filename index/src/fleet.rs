@@ -40,7 +40,7 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::catalog::{IdList, NameId, ReplicaId, shrink_map};
+use crate::catalog::{IdList, NameId, ReplicaId, shrink_due, shrink_map};
 use crate::messages::ReplicaStatsReport;
 
 /// What the index knows about one replica.
@@ -378,6 +378,13 @@ impl RecordTable {
         self.get(id).is_some()
     }
 
+    /// Whether `id` heartbeats and has not been heard from for more than
+    /// `limit_ms` (a replica that never heartbeated is never silent).
+    fn silent(&self, id: ReplicaId, now_ms: u64, limit_ms: u64) -> bool {
+        self.get(id)
+            .is_some_and(|r| r.heartbeats() && now_ms.saturating_sub(r.last_heard_ms()) > limit_ms)
+    }
+
     /// The record of `id`, created empty when it has none.
     pub fn get_or_default(&mut self, id: ReplicaId) -> &mut ReplicaRecord {
         self.0.get_or_insert_with(id, Box::default)
@@ -573,6 +580,17 @@ impl Fleet {
         }
     }
 
+    /// Whether [`expire`](Self::expire) would end a membership: read only,
+    /// so a sweep takes the fleet exclusively only when one is due.
+    pub fn any_expired(&self, now_ms: u64, timeout_ms: impl Fn(NameId) -> u64) -> bool {
+        self.members.iter().any(|(&[tenant, _], members)| {
+            let limit = timeout_ms(tenant);
+            members
+                .iter()
+                .any(|m| self.records.silent(m.replica, now_ms, limit))
+        })
+    }
+
     /// Drops members whose heartbeats stopped more than `timeout_ms` ago.
     /// Returns how many memberships ended.
     pub fn expire(&mut self, now_ms: u64, timeout_ms: impl Fn(NameId) -> u64) -> usize {
@@ -581,9 +599,7 @@ impl Fleet {
         self.members.retain(|&[tenant, model], members| {
             let limit = timeout_ms(tenant);
             members.retain(|m| {
-                let keep = records.get(m.replica).is_none_or(|r| {
-                    !r.heartbeats() || now_ms.saturating_sub(r.last_heard_ms()) <= limit
-                });
+                let keep = !records.silent(m.replica, now_ms, limit);
                 if !keep {
                     ended += 1;
                     if let Some(p) = pairs.get_mut(&m.replica) {
@@ -606,6 +622,13 @@ impl Fleet {
         self.records.shrink();
         shrink_map(&mut self.members);
         shrink_map(&mut self.pairs);
+    }
+
+    /// Whether [`shrink`](Self::shrink) would give back room.
+    pub fn shrink_due(&self) -> bool {
+        self.records.0.shrink_due()
+            || shrink_due(self.members.len(), self.members.capacity())
+            || shrink_due(self.pairs.len(), self.pairs.capacity())
     }
 }
 

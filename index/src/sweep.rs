@@ -1,17 +1,25 @@
 //! Bounded memory: TTL expiry, per-tenant quotas and the global entry cap.
 //!
-//! A sweep runs in three passes: (1) drop every holder older than its
+//! A sweep runs in four passes: (1) drop every holder older than its
 //! tenant's `evictionTTL` (and end the memberships of replicas whose
-//! heartbeats stopped for `replicaTimeout`); (2) for each tenant over `quota.maxIndexEntries`,
-//! evict its excess; (3) if the index is still over the global cap, evict the
-//! excess spread over tenants in proportion to their entries (ingest refuses
-//! new entries at the cap; after a refusal the sweep makes extra room). Victims within a
-//! tenant are chosen in the tenant's order: LRU (oldest `last_seen` first) or
-//! LFU (fewest accesses first, oldest first on ties).
+//! heartbeats stopped for `replicaTimeout`); (2) for each tenant over
+//! `quota.maxIndexEntries`, evict its excess; (3) if the index is still over
+//! the global cap, evict the excess spread over tenants in proportion to
+//! their entries (ingest refuses new entries at the cap; after a refusal the
+//! sweep makes extra room); (4) free the partitions, scopes, names and
+//! replica ids nothing refers to any more. Victims within a tenant are
+//! chosen in the tenant's order: LRU (oldest `last_seen` first) or LFU
+//! (fewest accesses first, oldest first on ties).
 //!
-//! Cost: pass 1 write-locks one shard at a time; passes 2–3 scan shards under
-//! read locks to collect candidates, select victims with `select_nth_unstable`
-//! and remove them shard by shard. Lookups on other shards are never blocked.
+//! Cost: each pass over the store holds its writer for [`SWEEP_CHUNK`]
+//! runs at a time, so ingest waits for one chunk at most, and lookups, which
+//! read the store without locks, never wait. Eviction counts a tenant's
+//! cells per order key in one pass (one counter per distinct key, never a
+//! record per entry) and clears the victims in a second. The catalog and the
+//! fleet are read under their shared locks, beside lookups, and taken
+//! exclusively only when a read-only pass found a membership to end or
+//! something nothing refers to any more: in the steady state a sweep never
+//! holds a lookup up.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -20,6 +28,7 @@ use hashbrown::HashMap;
 
 use crate::catalog::{Freed, NameId, ReplicaId};
 use crate::clock::ms_to_secs;
+use crate::fleet::Fleet;
 use crate::index::{CacheIndex, Deltas};
 use crate::messages::{EvictionReason, SweepReport};
 use crate::policy::Eviction;
@@ -110,17 +119,22 @@ impl CacheIndex {
         report
     }
 
-    /// Ends the memberships of replicas whose heartbeats stopped.
+    /// Ends the memberships of replicas whose heartbeats stopped. The
+    /// fleet is taken exclusively only when one is due.
     fn expire_members(&self) -> usize {
         let policies = self.policies.load();
         let now_ms = self.now_ms();
         let catalog = self.catalog.read();
-        self.fleet_write().expire(now_ms, |tenant| {
+        let timeout_ms = |tenant| {
             let timeout = policies
                 .for_tenant(catalog.name_str(tenant))
                 .replica_timeout;
             u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)
-        })
+        };
+        if !self.fleet.read().any_expired(now_ms, timeout_ms) {
+            return 0;
+        }
+        self.fleet_write().expire(now_ms, timeout_ms)
     }
 
     fn expire(&self) -> u64 {
@@ -187,11 +201,30 @@ impl CacheIndex {
     }
 
     /// Frees partitions, scopes, names and replica ids nothing refers to any
-    /// more, so a flood of names costs nothing once it is cleared.
+    /// more, so a flood of names costs nothing once it is cleared. Whether
+    /// anything is due is found under the shared locks, beside lookups; the
+    /// catalog and the fleet are taken exclusively only when something is
+    /// (in the steady state a sweep never holds a lookup up).
     fn free_unused(&self) -> Freed {
         // Lock order: store writer, catalog, fleet (lookups take catalog
         // then fleet, and nothing waits for the writer holding either).
         let mut w = self.store.write();
+        w.shrink();
+        let due = {
+            let catalog = self.catalog.read();
+            let fleet = self.fleet.read();
+            fleet.records.ids().any(|r| !catalog.replica_alive(r))
+                || fleet.shrink_due()
+                || !catalog
+                    .unused(
+                        |replica| w.holds_any(replica) || fleet.records.contains(replica),
+                        |pair| member_schemes(&fleet, pair),
+                    )
+                    .is_empty()
+        };
+        if !due {
+            return Freed::default();
+        }
         let mut catalog = self.catalog_write();
         let mut fleet = self.fleet_write();
         // Records written under an id freed by an earlier sweep (an update
@@ -205,19 +238,12 @@ impl CacheIndex {
             fleet.leave(r, None, None);
         }
         fleet.shrink();
-        w.shrink();
-        catalog.free_unused(
+        // Found again: names may have been taken into use since.
+        let unused = catalog.unused(
             |replica| w.holds_any(replica) || fleet.records.contains(replica),
-            |[tenant, model]| {
-                let members = fleet.members(tenant, model);
-                (!members.is_empty()).then(|| {
-                    members
-                        .iter()
-                        .flat_map(|m| m.schemes.iter().copied())
-                        .collect()
-                })
-            },
-        )
+            |pair| member_schemes(&fleet, pair),
+        );
+        catalog.free(unused)
     }
 
     /// Evicts `plan[tenant]` entries of each tenant in its victim order:
@@ -308,4 +334,16 @@ impl CacheIndex {
         self.store.write().compact_table();
         removed
     }
+}
+
+/// The hash schemes of the fleet's members of `(tenant, model)`, or `None`
+/// when it has none (what keeps a joined pair's names interned).
+fn member_schemes(fleet: &Fleet, [tenant, model]: [NameId; 2]) -> Option<Vec<NameId>> {
+    let members = fleet.members(tenant, model);
+    (!members.is_empty()).then(|| {
+        members
+            .iter()
+            .flat_map(|m| m.schemes.iter().copied())
+            .collect()
+    })
 }

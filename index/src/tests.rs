@@ -1104,6 +1104,43 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
 }
 
 #[test]
+fn a_sweep_with_nothing_to_free_never_holds_a_lookup_up() {
+    let f = fixture();
+    f.hold("A", &chain(0..4));
+    heartbeat(&f.index, "A");
+    f.index.sweep();
+    // A lookup holds the catalog and the fleet shared while it works; a
+    // sweep that took either exclusively would wait for it to finish.
+    let catalog = f.index.catalog.read();
+    let fleet = f.index.fleet.read();
+    let (done, finished) = std::sync::mpsc::channel();
+    let index = &f.index;
+    std::thread::scope(|s| {
+        s.spawn(move || done.send(index.sweep()).expect("the test waits for it"));
+        let report = finished.recv_timeout(Duration::from_secs(10));
+        drop((catalog, fleet));
+        let report = report.expect("a sweep with nothing to free waited for a lookup");
+        assert_eq!(
+            (
+                report.partitions_freed,
+                report.names_freed,
+                report.members_expired
+            ),
+            (0, 0, 0)
+        );
+    });
+    assert_eq!(f.lookup_chain(&chain(0..4)).reason, Reason::PrefixMatch);
+    // What is due still goes: the replica's membership once its heartbeats
+    // stop, and its partition and names once it holds nothing.
+    f.clock.advance(Duration::from_secs(31));
+    assert_eq!(f.index.sweep().members_expired, 1);
+    assert_eq!(f.clear("A").entries_removed, 4);
+    let report = f.index.sweep();
+    assert_eq!(report.partitions_freed, 1);
+    assert!(report.names_freed >= 4, "{report:?}");
+}
+
+#[test]
 fn block_chains_of_any_width_match_like_their_bytes() {
     let mixed: Vec<Vec<u8>> = vec![h(1), vec![7; 16], h(3)];
     let c = BlockChain::new(&mixed, vec![64; 3]).expect("a valid chain");
