@@ -118,7 +118,10 @@ fn main() {
     let us = |ns: u64| format!("{:.2} µs", ns as f64 / 1e3);
     for (name, every) in [
         ("nothing".to_string(), None),
-        (format!("a sweep every {} ms", every.as_millis()), Some(every)),
+        (
+            format!("a sweep every {} ms", every.as_millis()),
+            Some(every),
+        ),
     ] {
         let r = run(&index, &work, time, every);
         assert!(!r.samples.is_empty(), "no lookup ran");

@@ -427,19 +427,23 @@ impl<T, C: ChunkItems<T>> IdList<T, C> {
         while self.trailing_empty_chunk() {
             self.chunks.pop();
         }
-        if self.chunks.capacity() > 2 * self.chunks.len() + 16 {
+        if self.spare_chunk_room() {
             self.chunks.shrink_to_fit();
         }
     }
 
     /// Whether [`shrink`](Self::shrink) would give back room.
     pub fn shrink_due(&self) -> bool {
-        self.trailing_empty_chunk() || self.chunks.capacity() > 2 * self.chunks.len() + 16
+        self.trailing_empty_chunk() || self.spare_chunk_room()
     }
 
     fn trailing_empty_chunk(&self) -> bool {
         self.chunks.len() > (self.next as usize).div_ceil(ID_CHUNK)
             && self.chunks.last().is_some_and(Option::is_none)
+    }
+
+    fn spare_chunk_room(&self) -> bool {
+        self.chunks.capacity() > 2 * self.chunks.len() + 16
     }
 
     /// Live items with their ids, in id order.
