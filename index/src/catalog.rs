@@ -894,10 +894,7 @@ impl Catalog {
         }
     }
 
-    /// Frees partitions without entries, scopes without partitions or
-    /// holders, names nothing refers to and replicas `busy` does not claim.
-    /// `members(pair)` gives the hash schemes of the fleet's members of a
-    /// `(tenant, model)` pair, or `None` when it has none.
+    /// Frees what [`unused`](Self::unused) finds.
     #[cfg(test)]
     pub fn free_unused(
         &mut self,
@@ -908,12 +905,15 @@ impl Catalog {
         self.free(unused)
     }
 
-    /// What [`free`](Self::free) would drop now (see
-    /// [`free_unused`](Self::free_unused) for `busy` and `members`): read
-    /// only, so a sweep finds under the shared lock whether anything is
-    /// due, and takes the catalog exclusively only then. What goes with
-    /// what it drops counts as unused too: a scope whose every partition
-    /// is dropped, the names only those referred to.
+    /// What [`free`](Self::free) would drop now: partitions without
+    /// entries, scopes without partitions or holders, names nothing refers
+    /// to and replicas `busy` does not claim; `members(pair)` gives the
+    /// hash schemes of the fleet's members of a `(tenant, model)` pair, or
+    /// `None` when it has none. Read only, so a sweep finds under the
+    /// shared lock whether anything is due, and takes the catalog
+    /// exclusively only then. What goes with what it drops counts as unused
+    /// too: a scope whose every partition is dropped, the names only those
+    /// referred to.
     pub fn unused(
         &self,
         busy: impl Fn(ReplicaId) -> bool,

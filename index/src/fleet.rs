@@ -547,9 +547,7 @@ impl Fleet {
         out
     }
 
-    /// Whether `replica` counts as alive at `now_ms`; `holds` says whether it
-    /// holds entries in the scope asked about (only consulted for replicas
-    /// that never heartbeated).
+    /// [`record_live`](Self::record_live) of `replica`'s record.
     #[cfg(test)]
     pub fn is_live(
         &self,
@@ -561,8 +559,10 @@ impl Fleet {
         Self::record_live(self.records.get(replica), now_ms, timeout_ms, holds)
     }
 
-    /// [`is_live`](Self::is_live) of a record already looked up (`None`:
-    /// the replica has none).
+    /// Whether the replica of `record` (`None`: it has none) counts as
+    /// alive at `now_ms`: heard from within `timeout_ms`, or for one that
+    /// never heartbeated, holding entries in the scope asked about
+    /// (`holds`, consulted only then).
     pub fn record_live(
         record: Option<&ReplicaRecord>,
         now_ms: u64,

@@ -403,8 +403,8 @@ impl BlockChain {
         (self.block_tokens > 0).then_some(self.block_tokens)
     }
 
-    /// [`tokens_between`](Self::tokens_between) as the ranking adds token
-    /// counts: signed, at most `i64::MAX`.
+    /// Tokens of blocks `from..to` (as far as the chain goes) as the ranking
+    /// adds token counts: signed, at most `i64::MAX`.
     pub fn token_total(&self, from: usize, to: usize) -> i64 {
         i64::try_from(self.tokens_between(from, to)).unwrap_or(i64::MAX)
     }
