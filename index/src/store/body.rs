@@ -309,7 +309,7 @@ impl Body {
         let n = request.len();
         let mut m = 1;
         if self.data.wide.is_none() {
-            let stored = &self.data.words[HEAD + pos + 1..HEAD + len];
+            let stored = self.data.hashes(pos + 1, len);
             if let BlockHashes::Narrow(words) = request {
                 // Both sides are arrays of words: four blocks are compared
                 // with one branch (their differences or-ed together), the

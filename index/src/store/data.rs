@@ -270,6 +270,11 @@ impl RunData {
         self.words[HEAD + pos].load(Ordering::Relaxed)
     }
 
+    /// The hash words of positions `from..to`.
+    pub(super) fn hashes(&self, from: usize, to: usize) -> &[AtomicU64] {
+        &self.words[HEAD + from..HEAD + to]
+    }
+
     fn count_word(&self, pos: usize) -> &AtomicU64 {
         &self.words[HEAD + self.cap() + pos / 2]
     }

@@ -138,7 +138,7 @@ impl RunSlot {
     /// `pos` (whatever body the slot holds by then: a hint), and says where
     /// a request that reached `pos` would leave the run.
     pub(super) fn touch(&self, pos: usize) -> Ahead<'static> {
-        prefetch_ptr(self.body.ptr.load(Ordering::Relaxed));
+        self.body.prefetch();
         let hint = self.hint();
         prefetch_ptr(hint.words().wrapping_add(HEAD + pos));
         Ahead {

@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 
 use super::POS_BITS;
 use super::body::Body;
-use super::data::HEAD;
 use crate::catalog::PartitionId;
 use crate::table::Probe;
 
@@ -159,7 +158,7 @@ impl Blocks for NarrowChain<'_> {
         if body.is_wide() || pos >= len {
             return 0;
         }
-        let stored = &body.data.words[HEAD + pos..HEAD + len];
+        let stored = body.data.hashes(pos, len);
         let asked = self.hashes.get(i..).unwrap_or_default();
         stored
             .iter()

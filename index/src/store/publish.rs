@@ -10,12 +10,14 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use crossbeam_epoch as epoch;
 
+use super::prefetch_ptr;
+
 /// One published `Arc<T>`, or none, that readers load under an epoch pin
 /// without touching its count: the slot owns one strong count, and a value
 /// swapped out is dropped only once every reader pinned before the swap
 /// has unpinned ([`Writing`](super::Writing) retires it).
 pub(super) struct Published<T> {
-    pub(super) ptr: AtomicPtr<T>,
+    ptr: AtomicPtr<T>,
     owns: PhantomData<Arc<T>>,
 }
 
@@ -51,6 +53,12 @@ impl<T> Published<T> {
         unsafe {
             ptr.as_ref()
         }
+    }
+
+    /// Starts the miss on the value's first line (whatever value the slot
+    /// holds by then: a hint, never read through).
+    pub(super) fn prefetch(&self) {
+        prefetch_ptr(self.ptr.load(Ordering::Relaxed));
     }
 
     /// Publishes `value` (with `Release`: everything written to it before
