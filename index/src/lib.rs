@@ -18,6 +18,9 @@
 //! `{last_seen, tier, access_count}` (+ the key's token count). Strings are
 //! interned; blocks are stored in runs of consecutive blocks that lookups
 //! read without locks; see the `store` module notes for layout and costs.
+//! A lookup is the match step (`matching`: the holders of the request's
+//! leading blocks, from the store alone) and then the ranking over the
+//! fleet's live members (`lookup`, `cost`).
 //!
 //! ```
 //! use std::sync::Arc;
