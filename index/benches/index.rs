@@ -8,7 +8,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_main};
-use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, SystemClock};
+use inference_cache_index::{CacheIndex, SystemClock};
 
 mod support;
 use support::{CHAIN_BLOCKS, Workload};
@@ -23,8 +23,7 @@ fn lookup(c: &mut Criterion) {
     c.bench_function("lookup_64_block_chain_200k_entries", |b| {
         b.iter(|| {
             i = (i + 7919) % work.chains.len();
-            let mut r = LookupRequest::new("tenant", "model", "vllm");
-            r.chain = ChainInput::Wire(&work.block_chains[i]);
+            let r = work.request(i);
             black_box(index.lookup(&r))
         })
     });

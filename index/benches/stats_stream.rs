@@ -27,9 +27,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use inference_cache_index::{
-    CacheIndex, CacheUpdate, ChainInput, LookupRequest, Reason, ReplicaStatsReport, SystemClock,
-};
+use inference_cache_index::{CacheIndex, CacheUpdate, Reason, ReplicaStatsReport, SystemClock};
 
 mod support;
 use support::{REPLICAS, Workload, percentile};
@@ -113,8 +111,7 @@ fn run(
                     let mut samples = Vec::with_capacity(lookups);
                     for _ in 0..lookups {
                         c = (c + 7919) % work.chains.len();
-                        let mut r = LookupRequest::new("tenant", "model", "vllm");
-                        r.chain = ChainInput::Wire(&work.block_chains[c]);
+                        let r = work.request(c);
                         let t = Instant::now();
                         let outcome = black_box(index.lookup(&r));
                         samples.push(t.elapsed().as_nanos() as u64);

@@ -23,9 +23,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use inference_cache_index::{
-    CacheIndex, CacheUpdate, ChainInput, LookupRequest, PrefixReport, Reason, SystemClock,
-};
+use inference_cache_index::{CacheIndex, CacheUpdate, PrefixReport, Reason, SystemClock};
 
 mod support;
 use support::{Workload, block_chain, percentile};
@@ -64,8 +62,7 @@ fn run(index: &CacheIndex, work: &Workload, time: Duration, every: Option<Durati
         let mut c = 0;
         while start.elapsed() < time {
             c = (c + 7919) % work.chains.len();
-            let mut r = LookupRequest::new("tenant", "model", "vllm");
-            r.chain = ChainInput::Wire(&work.block_chains[c]);
+            let r = work.request(c);
             let t = Instant::now();
             let outcome = black_box(index.lookup(&r));
             samples.push(t.elapsed().as_nanos() as u64);

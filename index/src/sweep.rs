@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering;
 
 use hashbrown::HashMap;
 
-use crate::catalog::{Freed, NameId, ReplicaId};
+use crate::catalog::{Catalog, Freed, NameId, ReplicaId, Unused};
 use crate::clock::ms_to_secs;
 use crate::fleet::Fleet;
 use crate::index::{CacheIndex, Deltas};
@@ -215,12 +215,7 @@ impl CacheIndex {
             let fleet = self.fleet.read();
             fleet.records.ids().any(|r| !catalog.replica_alive(r))
                 || fleet.shrink_due()
-                || !catalog
-                    .unused(
-                        |replica| w.holds_any(replica) || fleet.records.contains(replica),
-                        |pair| member_schemes(&fleet, pair),
-                    )
-                    .is_empty()
+                || !unused_names(&catalog, &fleet, &w).is_empty()
         };
         if !due {
             return Freed::default();
@@ -239,10 +234,7 @@ impl CacheIndex {
         }
         fleet.shrink();
         // Found again: names may have been taken into use since.
-        let unused = catalog.unused(
-            |replica| w.holds_any(replica) || fleet.records.contains(replica),
-            |pair| member_schemes(&fleet, pair),
-        );
+        let unused = unused_names(&catalog, &fleet, &w);
         catalog.free(unused)
     }
 
@@ -336,14 +328,21 @@ impl CacheIndex {
     }
 }
 
-/// The hash schemes of the fleet's members of `(tenant, model)`, or `None`
-/// when it has none (what keeps a joined pair's names interned).
-fn member_schemes(fleet: &Fleet, [tenant, model]: [NameId; 2]) -> Option<Vec<NameId>> {
-    let members = fleet.members(tenant, model);
-    (!members.is_empty()).then(|| {
-        members
-            .iter()
-            .flat_map(|m| m.schemes.iter().copied())
-            .collect()
-    })
+/// What of the catalog nothing refers to (see [`Catalog::unused`]): a
+/// replica is busy while it has cells in the store or a fleet record, and a
+/// joined `(tenant, model)` pair keeps its names, and its members' hash
+/// schemes, while the fleet has members there.
+fn unused_names(catalog: &Catalog, fleet: &Fleet, w: &Writing<'_>) -> Unused {
+    catalog.unused(
+        |replica| w.holds_any(replica) || fleet.records.contains(replica),
+        |[tenant, model]| {
+            let members = fleet.members(tenant, model);
+            (!members.is_empty()).then(|| {
+                members
+                    .iter()
+                    .flat_map(|m| m.schemes.iter().copied())
+                    .collect()
+            })
+        },
+    )
 }

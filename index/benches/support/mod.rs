@@ -9,7 +9,7 @@
 #![allow(dead_code)]
 
 use inference_cache_fingerprint::{content_hash, encode, prefix_hashes};
-use inference_cache_index::{BlockChain, CacheUpdate, PrefixReport};
+use inference_cache_index::{BlockChain, CacheUpdate, ChainInput, LookupRequest, PrefixReport};
 
 /// Replicas in the workload.
 pub const REPLICAS: usize = 8;
@@ -94,6 +94,13 @@ impl Workload {
             contents,
             holders,
         }
+    }
+
+    /// A lookup of chain `c`, as the server hands it to the index.
+    pub fn request(&self, c: usize) -> LookupRequest<'_> {
+        let mut r = LookupRequest::new("tenant", "model", "vllm");
+        r.chain = ChainInput::Wire(&self.block_chains[c]);
+        r
     }
 
     /// The replicas holding chain `c`.
