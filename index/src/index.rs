@@ -15,10 +15,12 @@
 //! four string compares cost far less than the six hash probes they stand
 //! for (4–6 fewer instructions per ingested block of a 64-block report).
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, TryLockError};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use crossbeam_utils::CachePadded;
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
@@ -40,6 +42,10 @@ pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
 /// Tries at a write lock before waiting for it (see
 /// [`ReadMostly::write_between_readers`]).
 const WRITE_TRIES: u32 = 4096;
+/// How long a reader spins for a writer to leave before it waits as usual
+/// (see [`ReadMostly`]): longer than any write, so only a writer that lost
+/// its core holds a reader up for longer.
+const READ_SPIN: Duration = Duration::from_millis(2);
 
 /// A lock that lookups and ingest read and few writers write: a sharded
 /// reader-writer lock (`crossbeam-utils`). A reader takes only its thread's
@@ -48,19 +54,72 @@ const WRITE_TRIES: u32 = 4096;
 /// core that had it last (an ingesting thread, another lookup). A writer
 /// takes every shard. A writer that panicked leaves the data to the next
 /// reader as it was (no poisoning, as before).
-pub(crate) struct ReadMostly<T>(ShardedLock<T>);
+///
+/// Readers come first: a reader that finds a writer in says so, and
+/// writers wait for it before trying again. A reader waits by spinning,
+/// never by sleeping: a reader put to sleep was woken on the writer's core
+/// and waited there for the writer's time slice (5–9 ms on two cores, for
+/// a write of microseconds), and a stream of writes (a flood of new names,
+/// each a write) could take the lock back before a spinning reader got in.
+pub(crate) struct ReadMostly<T> {
+    lock: ShardedLock<T>,
+    /// Write locks taken so far: a reader that saw this count can tell,
+    /// under a write lock of its own, whether anyone else wrote since.
+    writes: AtomicU64,
+    /// Readers waiting for a writer to leave.
+    waiting: CachePadded<AtomicU32>,
+}
 
 impl<T> ReadMostly<T> {
     fn new(value: T) -> Self {
-        Self(ShardedLock::new(value))
+        Self {
+            lock: ShardedLock::new(value),
+            writes: AtomicU64::new(0),
+            waiting: CachePadded::new(AtomicU32::new(0)),
+        }
+    }
+
+    /// Write locks taken so far (read under a lock, it is exact: a writer
+    /// counts itself while it holds the lock).
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 
     pub(crate) fn read(&self) -> ShardedLockReadGuard<'_, T> {
-        self.0.read().unwrap_or_else(PoisonError::into_inner)
+        self.try_read().unwrap_or_else(|| self.read_after_writer())
+    }
+
+    fn try_read(&self) -> Option<ShardedLockReadGuard<'_, T>> {
+        match self.lock.try_read() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// A writer is in: spin until it leaves (writers wait for this reader
+    /// before trying again), for [`READ_SPIN`] at most; then wait as usual.
+    #[cold]
+    fn read_after_writer(&self) -> ShardedLockReadGuard<'_, T> {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let start = Instant::now();
+        let mut attempt = 0u32;
+        let guard = loop {
+            if let Some(guard) = self.try_read() {
+                break guard;
+            }
+            attempt = attempt.wrapping_add(1);
+            if attempt.is_multiple_of(256) && start.elapsed() > READ_SPIN {
+                break self.lock.read().unwrap_or_else(PoisonError::into_inner);
+            }
+            std::hint::spin_loop();
+        };
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        guard
     }
 
     fn try_write(&self) -> Option<ShardedLockWriteGuard<'_, T>> {
-        match self.0.try_write() {
+        match self.lock.try_write() {
             Ok(guard) => Some(guard),
             Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
             Err(TryLockError::WouldBlock) => None,
@@ -75,17 +134,31 @@ impl<T> ReadMostly<T> {
     /// milliseconds. Trying first lets readers through; after a bounded
     /// number of tries it waits as usual, so a writer is never starved.
     fn write_between_readers(&self) -> ShardedLockWriteGuard<'_, T> {
-        for attempt in 0..WRITE_TRIES {
-            if let Some(guard) = self.try_write() {
-                return guard;
+        let guard = self.wait_between_readers();
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        guard
+    }
+
+    fn wait_between_readers(&self) -> ShardedLockWriteGuard<'_, T> {
+        let (mut attempt, mut spins) = (0u32, 0u32);
+        while attempt < WRITE_TRIES {
+            // A reader that waited for the last writer goes first: readers
+            // wait only while a writer is in, so this ends when it leaves
+            // (and does not count as a try).
+            if self.waiting.load(Ordering::Relaxed) == 0 {
+                if let Some(guard) = self.try_write() {
+                    return guard;
+                }
+                attempt += 1;
             }
-            if attempt % 64 == 63 {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
         }
-        self.0.write().unwrap_or_else(PoisonError::into_inner)
+        self.lock.write().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -1179,5 +1252,36 @@ mod tests {
         assert_eq!(*lock.read(), (7, 2_000));
         lock.write_between_readers().1 = 7;
         assert_eq!(*lock.read(), (7, 7));
+    }
+
+    #[test]
+    fn a_reader_waiting_for_a_writer_goes_before_the_next_writer() {
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
+        let lock = ReadMostly::new(0u32);
+        let writes = lock.writes();
+        let held = lock.write_between_readers();
+        assert_eq!(lock.writes(), writes + 1, "a writer counts itself");
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| *lock.read());
+            // The reader says it waits, and spins rather than sleeping.
+            while lock.waiting.load(Ordering::Relaxed) == 0 {
+                std::thread::yield_now();
+            }
+            let writer = s.spawn(|| {
+                *lock.write_between_readers() = 2;
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(lock.writes(), writes + 1, "the next writer went first");
+            let mut held = held;
+            *held = 1;
+            drop(held);
+            // The waiting reader sees the first write, not the second.
+            assert_eq!(reader.join().expect("reader"), 1);
+            writer.join().expect("writer");
+        });
+        assert_eq!(lock.waiting.load(Ordering::Relaxed), 0);
+        assert_eq!(*lock.read(), 2);
+        assert_eq!(lock.writes(), writes + 2);
     }
 }

@@ -19,7 +19,10 @@
 //! fleet are read under their shared locks, beside lookups, and taken
 //! exclusively only when a read-only pass found a membership to end or
 //! something nothing refers to any more: in the steady state a sweep never
-//! holds a lookup up.
+//! holds a lookup up. What is due is then freed [`FREE_CHUNK`] items per
+//! hold of the exclusive locks, so after a flood of names a lookup waits
+//! for one chunk (tens of microseconds), not for the whole flood (64–72 ms
+//! for 20,000 adapters, when they were freed in one hold).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -36,6 +39,26 @@ use crate::store::{Cell, Writing};
 
 /// Runs a sweep visits per hold of the writer.
 const SWEEP_CHUNK: u32 = 1024;
+/// Partitions, scopes, names and replicas freed per hold of the catalog's
+/// and the fleet's exclusive locks (a few tens of microseconds).
+pub(crate) const FREE_CHUNK: usize = 32;
+/// Times what is due is found again, when somebody wrote between the
+/// chunks, before it is freed in one hold.
+const FREE_RESCANS: usize = 8;
+
+/// What a sweep found due for freeing under the shared locks.
+struct Due {
+    /// Fleet records under freed replica ids.
+    dead: Vec<ReplicaId>,
+    shrink_fleet: bool,
+    unused: Unused,
+}
+
+impl Due {
+    fn is_empty(&self) -> bool {
+        self.dead.is_empty() && !self.shrink_fleet && self.unused.is_empty()
+    }
+}
 
 impl CacheIndex {
     /// Runs TTL expiry, quota and cap eviction once.
@@ -201,41 +224,87 @@ impl CacheIndex {
     }
 
     /// Frees partitions, scopes, names and replica ids nothing refers to any
-    /// more, so a flood of names costs nothing once it is cleared. Whether
-    /// anything is due is found under the shared locks, beside lookups; the
-    /// catalog and the fleet are taken exclusively only when something is
-    /// (in the steady state a sweep never holds a lookup up).
+    /// more, so a flood of names costs nothing once it is cleared. What is
+    /// due is found under the shared locks, beside lookups, and freed
+    /// [`FREE_CHUNK`] items at a time under the exclusive ones, so a lookup
+    /// waits for one chunk at most (in the steady state, with nothing due,
+    /// a sweep never holds a lookup up). The store's writer, held
+    /// throughout, keeps every count of entries as it was found; a chunk is
+    /// freed only if nobody else took the catalog or the fleet exclusively
+    /// since (a new name, partition, record or membership could make a name
+    /// found unused used again), and otherwise what is due is found again.
     fn free_unused(&self) -> Freed {
+        self.free_unused_between(|| {})
+    }
+
+    /// [`free_unused`](Self::free_unused), calling `between` each time it
+    /// lets the exclusive locks go with more to free (where lookups, and
+    /// writers of new names, get in).
+    pub(crate) fn free_unused_between(&self, mut between: impl FnMut()) -> Freed {
         // Lock order: store writer, catalog, fleet (lookups take catalog
         // then fleet, and nothing waits for the writer holding either).
         let mut w = self.store.write();
         w.shrink();
-        let due = {
-            let catalog = self.catalog.read();
-            let fleet = self.fleet.read();
-            fleet.records.ids().any(|r| !catalog.replica_alive(r))
-                || fleet.shrink_due()
-                || !unused_names(&catalog, &fleet, &w).is_empty()
-        };
-        if !due {
-            return Freed::default();
+        let mut freed = Freed::default();
+        for _ in 0..FREE_RESCANS {
+            let (mut due, mut writes) = {
+                let catalog = self.catalog.read();
+                let fleet = self.fleet.read();
+                let due = Due {
+                    // Records written under an id freed by an earlier sweep
+                    // (an update that raced it) go, with their memberships.
+                    dead: (fleet.records.ids())
+                        .filter(|&r| !catalog.replica_alive(r))
+                        .collect(),
+                    shrink_fleet: fleet.shrink_due(),
+                    unused: unused_names(&catalog, &fleet, &w),
+                };
+                (due, (self.catalog.writes(), self.fleet.writes()))
+            };
+            if due.is_empty() {
+                return freed;
+            }
+            let mut first = true;
+            loop {
+                let chunk = due.unused.take(FREE_CHUNK);
+                let mut catalog = self.catalog_write();
+                let mut fleet = self.fleet_write();
+                if (self.catalog.writes(), self.fleet.writes()) != (writes.0 + 1, writes.1 + 1) {
+                    // Somebody wrote between the chunks: find it all again.
+                    break;
+                }
+                writes = (writes.0 + 1, writes.1 + 1);
+                if first {
+                    for &r in &due.dead {
+                        fleet.leave(r, None, None);
+                    }
+                    if due.shrink_fleet {
+                        fleet.shrink();
+                    }
+                    first = false;
+                }
+                freed += catalog.free(chunk);
+                if due.unused.is_empty() {
+                    return freed;
+                }
+                drop((catalog, fleet));
+                between();
+            }
         }
+        // Names kept being written between the chunks: free what is due
+        // in one hold of the exclusive locks, found again under them.
         let mut catalog = self.catalog_write();
         let mut fleet = self.fleet_write();
-        // Records written under an id freed by an earlier sweep (an update
-        // that raced it) go, with their memberships.
-        let dead: Vec<ReplicaId> = fleet
-            .records
-            .ids()
+        let dead: Vec<ReplicaId> = (fleet.records.ids())
             .filter(|&r| !catalog.replica_alive(r))
             .collect();
         for r in dead {
             fleet.leave(r, None, None);
         }
         fleet.shrink();
-        // Found again: names may have been taken into use since.
         let unused = unused_names(&catalog, &fleet, &w);
-        catalog.free(unused)
+        freed += catalog.free(unused);
+        freed
     }
 
     /// Evicts `plan[tenant]` entries of each tenant in its victim order:

@@ -1078,10 +1078,18 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
         });
         assert_eq!(report.entries_removed, 2);
     }
+    let writes = f.index.catalog.writes();
     let report = f.index.sweep();
     assert_eq!(report.partitions_freed, flood);
     assert!(report.names_freed >= 4 * flood, "{report:?}");
     assert_eq!(f.index.catalog.read().interned(), baseline);
+    // Freed a chunk per hold of the exclusive lock, with lookups between.
+    let holds = f.index.catalog.writes() - writes;
+    let items = report.partitions_freed + report.names_freed;
+    assert!(
+        holds >= items / crate::sweep::FREE_CHUNK as u64,
+        "{items} freed in {holds} holds"
+    );
     // The maps give their room back too.
     let room = f.index.catalog.read().room();
     assert!(
@@ -1101,6 +1109,67 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
     r.chain = ChainInput::Derived(&block_chain);
     let o = f.index.lookup(&r);
     assert_eq!(ids(&o), ["flood-7"]);
+}
+
+/// Every partition the catalog keeps is filed under live names.
+fn assert_names_live(index: &CacheIndex) {
+    let catalog = index.catalog.read();
+    for (id, p) in catalog.partitions.with_ids() {
+        for n in [p.tenant, p.model, p.adapter] {
+            let name = catalog.name_str(n);
+            assert_eq!(
+                catalog.name(name),
+                Some(n),
+                "partition {id} is filed under a freed name ({name:?} now)"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_name_taken_into_use_between_chunks_of_a_sweep_is_kept() {
+    let f = fixture();
+    f.hold("A", &chain(0..4));
+    let flood = 1_000u64;
+    for i in 0..flood {
+        let mut u = update(
+            &format!("flood-{}", i % 50),
+            vec![chain_prefix(&chain(i..i + 2), 16)],
+        );
+        u.adapter_id = format!("adapter-{i}");
+        f.index.ingest(&u);
+    }
+    for r in 0..50 {
+        f.clear(&format!("flood-{r}"));
+    }
+    // Between the first chunks a new partition is filed under a flood
+    // adapter's name (as an ingest does before it waits for the store's
+    // writer, which the sweep holds), then a replica is heard from (a
+    // write of the fleet): each time what is due is found again.
+    let mut between = 0;
+    let freed = f.index.free_unused_between(|| {
+        between += 1;
+        if between == 1 {
+            f.index.catalog_write().intern_partition(
+                "keeper",
+                M,
+                S,
+                &format!("adapter-{}", flood - 1),
+            );
+        }
+        if between == 2 {
+            f.index.fleet_write().heard(0, 0);
+        }
+    });
+    assert!(between >= 2, "the flood was freed in {between} chunks");
+    assert_names_live(&f.index);
+    assert_eq!(freed.partitions as u64, flood + 1, "{freed:?}");
+    // What is due once nothing writes between the chunks all goes.
+    let catalog = f.index.catalog.read();
+    assert!(catalog.partition("keeper", M, S, "adapter-0").is_none());
+    assert!(catalog.name("adapter-0").is_none());
+    drop(catalog);
+    assert_eq!(f.lookup_chain(&chain(0..4)).reason, Reason::PrefixMatch);
 }
 
 #[test]
