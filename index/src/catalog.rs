@@ -25,6 +25,8 @@ use hashbrown::{HashMap, HashSet};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
+use crate::parts_map::PartsMap;
+
 /// Interned id of a tenant, model, scheme or adapter string.
 pub(crate) type NameId = u32;
 /// Interned id of a replica.
@@ -667,22 +669,23 @@ impl ReplicaList {
 /// Interned names, partitions and scopes.
 #[derive(Debug, Default)]
 pub(crate) struct Catalog {
-    names: HashMap<Arc<str>, NameId>,
+    names: PartsMap<Arc<str>, NameId>,
     name_list: IdList<Arc<str>>,
-    replicas: HashMap<Arc<str>, ReplicaId>,
+    replicas: PartsMap<Arc<str>, ReplicaId>,
     replica_list: Arc<ReplicaList>,
     /// Replica names in order, for their order keys.
     replica_order: BTreeMap<Arc<str>, ReplicaId>,
-    partition_ids: HashMap<[NameId; 4], PartitionId>,
+    partition_ids: PartsMap<[NameId; 4], PartitionId>,
     pub partitions: Slab<Partition>,
     /// Partitions of each `(tenant, model)`: an event naming both visits
     /// only those. A set, so freeing a flood of one pair's adapters takes
     /// each out at once (a list filtered per partition freed was quadratic:
-    /// 60 ms for 20,000, all of it under the exclusive lock).
-    by_pair: HashMap<[NameId; 2], HashSet<PartitionId>>,
-    scope_ids: HashMap<[NameId; 3], u32>,
+    /// 60 ms for 20,000, all of it under the exclusive lock), in parts, as
+    /// the maps that grow with names are (see the `parts_map` module).
+    by_pair: HashMap<[NameId; 2], PartsMap<PartitionId, ()>>,
+    scope_ids: PartsMap<[NameId; 3], u32>,
     pub scopes: Slab<Scope>,
-    tenant_entries: HashMap<NameId, Arc<AtomicI64>>,
+    tenant_entries: PartsMap<NameId, Arc<AtomicI64>>,
     /// `(tenant, model)` pairs replicas joined in the fleet, kept until
     /// the fleet has no member there.
     joined: HashSet<[NameId; 2]>,
@@ -901,7 +904,10 @@ impl Catalog {
                 s
             }
         };
-        let tenant_entries = self.tenant_entries.entry(ids[0]).or_default().clone();
+        let tenant_entries = self
+            .tenant_entries
+            .get_or_insert_with(ids[0], Default::default)
+            .clone();
         let p = self.partitions.push(Partition {
             tenant: ids[0],
             model: ids[1],
@@ -913,7 +919,10 @@ impl Catalog {
         });
         self.partition_ids.insert(ids, p);
         self.generation = Generation::next();
-        self.by_pair.entry([ids[0], ids[1]]).or_default().insert(p);
+        self.by_pair
+            .entry([ids[0], ids[1]])
+            .or_default()
+            .insert(p, ());
         p
     }
 
@@ -929,7 +938,7 @@ impl Catalog {
             (Some(t), Some(m)) => self
                 .by_pair
                 .get(&[t, m])
-                .map(|set| set.iter().copied().collect())
+                .map(|set| set.keys().copied().collect())
                 .unwrap_or_default(),
             _ => self
                 .partitions
@@ -969,7 +978,7 @@ impl Catalog {
     ) -> Unused {
         let mut unused = Unused::default();
         let mut used: HashSet<NameId> = HashSet::new();
-        for (&key, &p) in &self.partition_ids {
+        for (&key, &p) in self.partition_ids.iter() {
             let empty = self.partitions.get(p).is_none_or(|q| {
                 q.entries.load(Ordering::Relaxed) <= 0 && q.keys.load(Ordering::Relaxed) <= 0
             });
@@ -986,7 +995,7 @@ impl Catalog {
             .filter(|(id, _)| !dropped.contains(id))
             .map(|(_, p)| p.scope)
             .collect();
-        for (&key, &s) in &self.scope_ids {
+        for (&key, &s) in self.scope_ids.iter() {
             let keep = scope_used.contains(&s)
                 || self
                     .scopes
@@ -1025,12 +1034,8 @@ impl Catalog {
             .filter(|&(_, &id)| !busy(id))
             .map(|(name, &id)| (name.clone(), id))
             .collect();
-        unused.shrink = shrink_due(self.names.len(), self.names.capacity())
-            || shrink_due(self.replicas.len(), self.replicas.capacity())
-            || shrink_due(self.partition_ids.len(), self.partition_ids.capacity())
-            || shrink_due(self.by_pair.len(), self.by_pair.capacity())
-            || shrink_due(self.scope_ids.len(), self.scope_ids.capacity())
-            || shrink_due(self.tenant_entries.len(), self.tenant_entries.capacity())
+        // The maps in parts give their room back as they empty.
+        unused.shrink = shrink_due(self.by_pair.len(), self.by_pair.capacity())
             || shrink_due(self.joined.len(), self.joined.capacity());
         unused
     }
@@ -1040,7 +1045,6 @@ impl Catalog {
     /// again under the exclusive lock).
     pub fn free(&mut self, unused: Unused) -> Freed {
         let mut freed = Freed::default();
-        let mut pairs: SmallVec<[[NameId; 2]; 2]> = SmallVec::new();
         for (key, p) in unused.partitions {
             self.partition_ids.remove(&key);
             self.partitions.remove(p);
@@ -1050,16 +1054,7 @@ impl Catalog {
                 set.remove(&p);
                 if set.is_empty() {
                     self.by_pair.remove(&pair);
-                } else if !pairs.contains(&pair) {
-                    pairs.push(pair);
                 }
-            }
-        }
-        for pair in pairs {
-            if let Some(set) = self.by_pair.get_mut(&pair)
-                && shrink_due(set.len(), set.capacity())
-            {
-                set.shrink_to_fit();
             }
         }
         for (key, s) in unused.scopes {
@@ -1087,12 +1082,7 @@ impl Catalog {
         if freed != Freed::default() {
             self.generation = Generation::next();
         }
-        shrink_map(&mut self.names);
-        shrink_map(&mut self.replicas);
-        shrink_map(&mut self.partition_ids);
         shrink_map(&mut self.by_pair);
-        shrink_map(&mut self.scope_ids);
-        shrink_map(&mut self.tenant_entries);
         if shrink_due(self.joined.len(), self.joined.capacity()) {
             self.joined.shrink_to_fit();
         }

@@ -62,6 +62,7 @@ mod index;
 mod lookup;
 mod matching;
 mod messages;
+mod parts_map;
 mod policy;
 mod store;
 mod sweep;

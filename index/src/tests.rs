@@ -1049,7 +1049,7 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
     heartbeat(&f.index, "A");
     f.index.sweep();
     let baseline = f.index.catalog.read().interned();
-    let flood = 2_000u64;
+    let flood = 10_000u64;
     for i in 0..flood {
         let mut u = update(
             &format!("flood-{i}"),
@@ -1090,7 +1090,8 @@ fn a_cleared_name_flood_frees_names_partitions_and_replicas() {
         holds >= items / crate::sweep::FREE_CHUNK as u64,
         "{items} freed in {holds} holds"
     );
-    // The maps give their room back too.
+    // The maps give their room back too (but for a few slots in each of
+    // their parts, however large the flood).
     let room = f.index.catalog.read().room();
     assert!(
         room * 8 < peak_room,
