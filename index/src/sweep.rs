@@ -48,7 +48,7 @@ const FREE_RESCANS: usize = 8;
 
 /// What a sweep found due for freeing under the shared locks.
 struct Due {
-    /// Fleet records under freed replica ids.
+    /// Fleet records under freed replica ids (see [`dead_records`]).
     dead: Vec<ReplicaId>,
     shrink_fleet: bool,
     unused: Unused,
@@ -251,11 +251,7 @@ impl CacheIndex {
                 let catalog = self.catalog.read();
                 let fleet = self.fleet.read();
                 let due = Due {
-                    // Records written under an id freed by an earlier sweep
-                    // (an update that raced it) go, with their memberships.
-                    dead: (fleet.records.ids())
-                        .filter(|&r| !catalog.replica_alive(r))
-                        .collect(),
+                    dead: dead_records(&catalog, &fleet),
                     shrink_fleet: fleet.shrink_due(),
                     unused: unused_names(&catalog, &fleet, &w),
                 };
@@ -295,10 +291,7 @@ impl CacheIndex {
         // in one hold of the exclusive locks, found again under them.
         let mut catalog = self.catalog_write();
         let mut fleet = self.fleet_write();
-        let dead: Vec<ReplicaId> = (fleet.records.ids())
-            .filter(|&r| !catalog.replica_alive(r))
-            .collect();
-        for r in dead {
+        for r in dead_records(&catalog, &fleet) {
             fleet.leave(r, None, None);
         }
         fleet.shrink();
@@ -395,6 +388,14 @@ impl CacheIndex {
         self.store.write().compact_table();
         removed
     }
+}
+
+/// Fleet records under replica ids a sweep freed: records an update that
+/// raced that sweep wrote. They go, with their memberships.
+fn dead_records(catalog: &Catalog, fleet: &Fleet) -> Vec<ReplicaId> {
+    (fleet.records.ids())
+        .filter(|&r| !catalog.replica_alive(r))
+        .collect()
 }
 
 /// What of the catalog nothing refers to (see [`Catalog::unused`]): a
