@@ -1040,9 +1040,9 @@ impl Catalog {
         unused
     }
 
-    /// Drops what [`unused`](Self::unused) found, which the caller keeps
-    /// true by holding the catalog exclusively since (or by finding it
-    /// again under the exclusive lock).
+    /// Drops what [`unused`](Self::unused) found (or a part of it, see
+    /// [`Unused::take`]), which the caller keeps true: nobody may have
+    /// written the catalog or the fleet since it was found.
     pub fn free(&mut self, unused: Unused) -> Freed {
         let mut freed = Freed::default();
         for (key, p) in unused.partitions {

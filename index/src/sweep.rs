@@ -55,6 +55,15 @@ struct Due {
 }
 
 impl Due {
+    /// What is due now (the sweep holds the store's writer, `w`).
+    fn find(catalog: &Catalog, fleet: &Fleet, w: &Writing<'_>) -> Self {
+        Self {
+            dead: dead_records(catalog, fleet),
+            shrink_fleet: fleet.shrink_due(),
+            unused: unused_names(catalog, fleet, w),
+        }
+    }
+
     fn is_empty(&self) -> bool {
         self.dead.is_empty() && !self.shrink_fleet && self.unused.is_empty()
     }
@@ -250,11 +259,7 @@ impl CacheIndex {
             let (mut due, mut writes) = {
                 let catalog = self.catalog.read();
                 let fleet = self.fleet.read();
-                let due = Due {
-                    dead: dead_records(&catalog, &fleet),
-                    shrink_fleet: fleet.shrink_due(),
-                    unused: unused_names(&catalog, &fleet, &w),
-                };
+                let due = Due::find(&catalog, &fleet, &w);
                 (due, (self.catalog.writes(), self.fleet.writes()))
             };
             if due.is_empty() {
@@ -271,12 +276,7 @@ impl CacheIndex {
                 }
                 writes = (writes.0 + 1, writes.1 + 1);
                 if first {
-                    for &r in &due.dead {
-                        fleet.leave(r, None, None);
-                    }
-                    if due.shrink_fleet {
-                        fleet.shrink();
-                    }
+                    settle_fleet(&mut fleet, &due.dead, due.shrink_fleet);
                     first = false;
                 }
                 freed += catalog.free(chunk);
@@ -291,10 +291,8 @@ impl CacheIndex {
         // in one hold of the exclusive locks, found again under them.
         let mut catalog = self.catalog_write();
         let mut fleet = self.fleet_write();
-        for r in dead_records(&catalog, &fleet) {
-            fleet.leave(r, None, None);
-        }
-        fleet.shrink();
+        let dead = dead_records(&catalog, &fleet);
+        settle_fleet(&mut fleet, &dead, true);
         let unused = unused_names(&catalog, &fleet, &w);
         freed += catalog.free(unused);
         freed
@@ -396,6 +394,17 @@ fn dead_records(catalog: &Catalog, fleet: &Fleet) -> Vec<ReplicaId> {
     (fleet.records.ids())
         .filter(|&r| !catalog.replica_alive(r))
         .collect()
+}
+
+/// Ends the memberships of `dead` records (see [`dead_records`]) and, with
+/// `shrink`, gives the fleet's spare room back.
+fn settle_fleet(fleet: &mut Fleet, dead: &[ReplicaId], shrink: bool) {
+    for &r in dead {
+        fleet.leave(r, None, None);
+    }
+    if shrink {
+        fleet.shrink();
+    }
 }
 
 /// What of the catalog nothing refers to (see [`Catalog::unused`]): a
