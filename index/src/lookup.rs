@@ -486,7 +486,10 @@ impl CacheIndex {
         let first = Key::new(part, chain.hashes.hash(0));
         reader.touch(&first);
         reader.touch_head(part, &chain.hashes, &first);
-        walk_chain(&reader, part, chain, Leaving::NONE, &mut cands, |_| {});
+        // The misses a lookup starts before its walk, so that this times the
+        // lookup's own walk.
+        let leaving = Leaving::of(&reader, part, &chain.hashes, 0, reader.touch_run(&first));
+        walk_chain(&reader, part, chain, leaving, &mut cands, |_| {});
         cands
             .as_slice()
             .iter()
