@@ -18,7 +18,9 @@
 //! ```
 //!
 //! `GAP_US=200` spaces the lookups (of either index) by that many
-//! microseconds of spinning, untimed. Besides the percentiles it prints the
+//! microseconds of spinning, untimed; `EVICT_KB=4096` writes a line in every
+//! 64 bytes of a buffer that large before each lookup, untimed, which
+//! clears the core's own caches of the lookup's code and data. Besides the percentiles it prints the
 //! mean and how many lookups took over 4 µs, per millisecond spent looking
 //! up: interruptions that come with time (timer ticks, the host) land at
 //! the same rate per millisecond in any index's lookups, though a slower
@@ -155,6 +157,13 @@ fn kv_index(work: &Workload, lookups: usize, gap: Option<Duration>) {
     print_times(&mut samples);
 }
 
+thread_local! {
+    static EVICT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![
+        1u8;
+        std::env::var("EVICT_KB").ok().and_then(|s| s.parse::<usize>().ok()).unwrap_or(0) * 1024
+    ]);
+}
+
 /// The wait before each lookup that `GAP_US` asks for, if any: a server
 /// does other work between lookups.
 fn gap_from_env() -> Option<Duration> {
@@ -162,8 +171,15 @@ fn gap_from_env() -> Option<Duration> {
     Some(Duration::from_micros(us))
 }
 
-/// Spins for `gap`, if any (untimed, before a lookup).
+/// Spins for `gap`, if any (untimed, before a lookup); with `EVICT_KB`,
+/// then writes a line in every 64 bytes of a buffer that large.
 fn wait(gap: Option<Duration>) {
+    EVICT.with_borrow_mut(|buf| {
+        for i in (0..buf.len()).step_by(64) {
+            buf[i] = buf[i].wrapping_add(1);
+        }
+        black_box(&buf);
+    });
     let Some(gap) = gap else {
         return;
     };
