@@ -20,8 +20,8 @@
 //! `GAP_US=200` spaces the lookups (of either index) by that many
 //! microseconds of spinning, untimed; `EVICT_KB=4096` writes a line in every
 //! 64 bytes of a buffer that large before each lookup, untimed, which
-//! clears the core's own caches of the lookup's code and data. Besides the percentiles it prints the
-//! mean and how many lookups took over 4 µs, per millisecond spent looking
+//! clears the core's own caches of the lookup's code and data. Besides the
+//! percentiles it prints the mean and how many lookups took over 4 µs, per millisecond spent looking
 //! up: interruptions that come with time (timer ticks, the host) land at
 //! the same rate per millisecond in any index's lookups, though a slower
 //! lookup needs a shorter one to cross the line.
@@ -54,10 +54,10 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(100_000);
     let work = Workload::new(entries, holders);
-    let gap = gap_from_env();
+    let mut pause = Pause::from_env();
     if std::env::var("INDEX").is_ok_and(|v| v == "kv-index") {
         #[cfg(feature = "compare-kv-index")]
-        return kv_index(&work, lookups, gap);
+        return kv_index(&work, lookups, &mut pause);
         #[cfg(not(feature = "compare-kv-index"))]
         panic!("INDEX=kv-index needs --features compare-kv-index");
     }
@@ -80,7 +80,7 @@ fn main() {
         // A freshly decoded request is cache-hot, as in the table bench.
         // The wait comes before the copy, so the request is as fresh as
         // one just decoded.
-        wait(gap);
+        pause.before_lookup();
         let decoded = work.block_chains[c].clone();
         let mut request = LookupRequest::new("tenant", "model", "vllm");
         request.chain = ChainInput::Wire(&decoded);
@@ -104,7 +104,7 @@ fn main() {
 }
 
 #[cfg(feature = "compare-kv-index")]
-fn kv_index(work: &Workload, lookups: usize, gap: Option<Duration>) {
+fn kv_index(work: &Workload, lookups: usize, pause: &mut Pause) {
     use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
     let index = ChainIndex::new();
     let workers: Vec<u32> = (0..support::REPLICAS)
@@ -143,7 +143,7 @@ fn kv_index(work: &Workload, lookups: usize, gap: Option<Duration>) {
     let mut samples = Vec::with_capacity(lookups);
     for _ in 0..lookups {
         c = (c + 7919) % requests.len();
-        wait(gap);
+        pause.before_lookup();
         let decoded = requests[c].clone();
         let t = Instant::now();
         let scores = black_box(index.find_matches(&decoded, false));
@@ -157,35 +157,38 @@ fn kv_index(work: &Workload, lookups: usize, gap: Option<Duration>) {
     print_times(&mut samples);
 }
 
-thread_local! {
-    static EVICT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![
-        1u8;
-        std::env::var("EVICT_KB").ok().and_then(|s| s.parse::<usize>().ok()).unwrap_or(0) * 1024
-    ]);
+/// What runs before each lookup, untimed: a server does other work
+/// between lookups.
+struct Pause {
+    /// `GAP_US`: spinning this long.
+    gap: Option<Duration>,
+    /// `EVICT_KB`: a buffer that large, a line of it written every 64 bytes.
+    evict: Vec<u8>,
 }
 
-/// The wait before each lookup that `GAP_US` asks for, if any: a server
-/// does other work between lookups.
-fn gap_from_env() -> Option<Duration> {
-    let us = std::env::var("GAP_US").ok()?.parse().ok()?;
-    Some(Duration::from_micros(us))
-}
-
-/// Spins for `gap`, if any (untimed, before a lookup); with `EVICT_KB`,
-/// then writes a line in every 64 bytes of a buffer that large.
-fn wait(gap: Option<Duration>) {
-    EVICT.with_borrow_mut(|buf| {
-        for i in (0..buf.len()).step_by(64) {
-            buf[i] = buf[i].wrapping_add(1);
+impl Pause {
+    fn from_env() -> Self {
+        let number = |var: &str| std::env::var(var).ok()?.parse::<u64>().ok();
+        let evict_kb = number("EVICT_KB").unwrap_or(0);
+        Self {
+            gap: number("GAP_US").map(Duration::from_micros),
+            evict: vec![1; usize::try_from(evict_kb * 1024).expect("EVICT_KB fits memory")],
         }
-        black_box(&buf);
-    });
-    let Some(gap) = gap else {
-        return;
-    };
-    let until = Instant::now() + gap;
-    while Instant::now() < until {
-        std::hint::spin_loop();
+    }
+
+    /// Writes the buffer's lines, then spins.
+    fn before_lookup(&mut self) {
+        for i in (0..self.evict.len()).step_by(64) {
+            self.evict[i] = self.evict[i].wrapping_add(1);
+        }
+        black_box(&self.evict);
+        let Some(gap) = self.gap else {
+            return;
+        };
+        let until = Instant::now() + gap;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
     }
 }
 
