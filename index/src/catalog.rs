@@ -1105,7 +1105,12 @@ pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
 /// Whether a map or set of `len` entries in room for `capacity` gives back
 /// its room: past [`SHRINK_FROM`], at under a quarter full.
 pub(crate) fn shrink_due(len: usize, capacity: usize) -> bool {
-    capacity > SHRINK_FROM && len * 4 < capacity
+    shrink_due_from(len, capacity, SHRINK_FROM)
+}
+
+/// [`shrink_due`] for a table whose room is kept from `from` on.
+pub(crate) fn shrink_due_from(len: usize, capacity: usize, from: usize) -> bool {
+    capacity > from && len * 4 < capacity
 }
 
 #[cfg(test)]

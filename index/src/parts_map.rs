@@ -24,11 +24,14 @@ use std::hash::{BuildHasher, Hash};
 
 use hashbrown::HashTable;
 
+use crate::catalog::shrink_due_from;
+
 /// Parts per map.
 pub(crate) const PARTS: usize = 64;
 
 /// A part with room for fewer entries than this keeps it (see
-/// [`PartsMap::remove`]).
+/// [`PartsMap::remove`]): a part holds a sixty-fourth of a map's entries,
+/// so it keeps less room than a whole map does.
 const SHRINK_FROM: usize = 16;
 
 #[derive(Debug)]
@@ -115,7 +118,7 @@ impl<K: Hash + Eq, V> PartsMap<K, V> {
         let ((_, value), vacant) = entry.remove();
         *len -= 1;
         let table = vacant.into_table();
-        if table.capacity() > SHRINK_FROM && table.len() * 4 < table.capacity() {
+        if shrink_due_from(table.len(), table.capacity(), SHRINK_FROM) {
             table.shrink_to_fit(|(k, _)| state.hash_one(k));
         }
         Some(value)
