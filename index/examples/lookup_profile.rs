@@ -17,6 +17,9 @@
 //! # the store's match step alone: OP=match, --toggle-collect='*CacheIndex*match_chain*'
 //! ```
 //!
+//! `RANKER=Contract` ranks by the wire contract's score instead of the
+//! default cost-aware ranker.
+//!
 //! `GAP_US=200` spaces the lookups (of either index) by that many
 //! microseconds of spinning, untimed; `EVICT_KB=4096` writes a line in every
 //! 64 bytes of a buffer that large before each lookup, untimed, which
@@ -33,7 +36,9 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inference_cache_index::{CacheIndex, ChainInput, LookupRequest, Reason, SystemClock};
+use inference_cache_index::{
+    CacheIndex, ChainInput, LookupRequest, PolicySet, Reason, SystemClock,
+};
 use support::Workload;
 
 /// Lookups run, unless `LOOKUPS` says otherwise (more for a sampling
@@ -67,6 +72,16 @@ fn main() {
         .map(|u| u.prefixes[0].chain.len())
         .sum();
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
+    // `RANKER=Contract`: the wire contract's ranking instead of the default
+    // cost-aware one, under an otherwise default policy.
+    if let Ok(ranker) = std::env::var("RANKER") {
+        let doc = format!(
+            "apiVersion: inferencecache.io/v1alpha1\nkind: CachePolicy\nmetadata: {{name: profile, namespace: \"*\"}}\nspec: {{ranker: {ranker}}}\n"
+        );
+        let policies = PolicySet::from_yaml(&doc)
+            .unwrap_or_else(|e| panic!("RANKER={ranker} is not a ranker of a policy: {e}"));
+        index.set_policies(policies);
+    }
     for u in work.updates() {
         index.ingest(&u);
     }
