@@ -24,10 +24,11 @@
 //! microseconds of spinning, untimed; `EVICT_KB=4096` writes a line in every
 //! 64 bytes of a buffer that large before each lookup, untimed, which
 //! clears the core's own caches of the lookup's code and data. Besides the
-//! percentiles it prints the mean and how many lookups took over 4 µs, per millisecond spent looking
-//! up: interruptions that come with time (timer ticks, the host) land at
-//! the same rate per millisecond in any index's lookups, though a slower
-//! lookup needs a shorter one to cross the line.
+//! percentiles it prints the mean and how many lookups took over 4 µs,
+//! per millisecond spent looking up: interruptions that come with time
+//! (timer ticks, the host) land at the same rate per millisecond in any
+//! index's lookups, though a slower lookup needs a shorter one to cross
+//! the line.
 
 #[path = "../benches/support/mod.rs"]
 mod support;
