@@ -15,19 +15,15 @@ use inference_cache_index::{
     BlockChain, CacheIndex, CacheUpdate, ChainInput, LookupRequest, PrefixReport, SystemClock,
 };
 
+mod support;
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
     let bench = std::env::args().any(|a| a == "--bench");
-    let blocks: usize = std::env::var("B")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(512);
-    let chains: usize = std::env::var("C")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(if bench { 4000 } else { 20 });
+    let blocks = support::env_number("B", 512usize);
+    let chains = support::env_number("C", if bench { 4000usize } else { 20 });
     let index = CacheIndex::new(Arc::new(SystemClock), u64::MAX);
     let mut all = Vec::new();
     for c in 0..chains {
@@ -68,7 +64,7 @@ fn main() {
         samples.push(t.elapsed().as_nanos() as u64);
     }
     samples.sort_unstable();
-    let p = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize] as f64 / 1e3;
+    let p = |q: f64| support::percentile(&samples, q) as f64 / 1e3;
     println!(
         "{chains} chains of {blocks} blocks, 2 holders: lookup p50 {:.2} µs, p99 {:.2} µs, p99.9 {:.2} µs",
         p(0.5),

@@ -142,15 +142,16 @@ fn main() {
         return;
     }
     let bench = std::env::args().any(|a| a == "--bench");
-    let env = |name: &str| std::env::var(name).ok();
-    let per_sec: f64 = env("STATS_PER_SEC")
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5_000.0);
-    let sleep_each = env("FEED_WAIT").is_some_and(|w| w == "sleep");
-    let threads: Vec<usize> = env("THREADS")
-        .unwrap_or_else(|| "1,4".into())
+    let per_sec = support::env_number("STATS_PER_SEC", 5_000.0f64);
+    let sleep_each = std::env::var("FEED_WAIT").is_ok_and(|w| w == "sleep");
+    let threads: Vec<usize> = std::env::var("THREADS")
+        .unwrap_or_else(|_| "1,4".into())
         .split(',')
-        .filter_map(|t| t.trim().parse().ok())
+        .map(|t| {
+            t.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("THREADS: {t:?} is not a thread count"))
+        })
         .collect();
     let (entries, lookups) = if bench {
         (100_000, 200_000)

@@ -161,10 +161,9 @@ fn main() {
         return;
     }
     let bench = std::env::args().any(|a| a == "--bench");
-    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-    let partitions = env("PARTITIONS").unwrap_or(if bench { 20_000 } else { 200 }) as usize;
-    let time = Duration::from_secs(env("SECONDS").unwrap_or(if bench { 3 } else { 1 }));
-    let every = Duration::from_millis(env("SWEEP_MS").unwrap_or(20));
+    let partitions = support::env_number("PARTITIONS", if bench { 20_000 } else { 200 });
+    let time = Duration::from_secs(support::env_number("SECONDS", if bench { 3 } else { 1 }));
+    let every = Duration::from_millis(support::env_number("SWEEP_MS", 20));
     let work = Workload::new(20_000, 2);
     let index = CacheIndex::new(std::sync::Arc::new(SystemClock), u64::MAX);
     for u in work.updates() {

@@ -569,9 +569,12 @@ fn sizes() -> Vec<(usize, usize)> {
     };
     let spec = std::env::var("TABLE_SIZES").unwrap_or_else(|_| default.into());
     spec.split(',')
-        .filter_map(|pair| {
-            let (e, h) = pair.split_once(':')?;
-            Some((e.trim().parse().ok()?, h.trim().parse().ok()?))
+        .map(|pair| {
+            pair.split_once(':')
+                .and_then(|(e, h)| Some((e.trim().parse().ok()?, h.trim().parse().ok()?)))
+                .unwrap_or_else(|| {
+                    panic!("TABLE_SIZES: {pair:?} is not <entries>:<holders per block>")
+                })
         })
         .collect()
 }
@@ -704,8 +707,12 @@ fn main() {
             "50".into()
         }
     });
-    for n in spec.split(',').filter_map(|n| n.trim().parse().ok()) {
-        many_holders(n);
+    for n in spec.split(',') {
+        let holders = n
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("MANY_HOLDERS: {n:?} is not a holder count"));
+        many_holders(holders);
     }
 }
 

@@ -47,18 +47,9 @@ use support::Workload;
 const LOOKUPS: usize = 20_000;
 
 fn main() {
-    let holders: usize = std::env::var("HOLDERS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
-    let lookups: usize = std::env::var("LOOKUPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(LOOKUPS);
-    let entries: usize = std::env::var("ENTRIES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100_000);
+    let holders = support::env_number("HOLDERS", 2usize);
+    let lookups = support::env_number("LOOKUPS", LOOKUPS);
+    let entries = support::env_number("ENTRIES", 100_000usize);
     let work = Workload::new(entries, holders);
     let mut pause = Pause::from_env();
     if std::env::var("INDEX").is_ok_and(|v| v == "kv-index") {
@@ -184,10 +175,10 @@ struct Pause {
 
 impl Pause {
     fn from_env() -> Self {
-        let number = |var: &str| std::env::var(var).ok()?.parse::<u64>().ok();
-        let evict_kb = number("EVICT_KB").unwrap_or(0);
+        let evict_kb = support::env_number("EVICT_KB", 0u64);
+        let gap_us = support::env_number("GAP_US", 0u64);
         Self {
-            gap: number("GAP_US").map(Duration::from_micros),
+            gap: (gap_us > 0).then(|| Duration::from_micros(gap_us)),
             evict: vec![1; usize::try_from(evict_kb * 1024).expect("EVICT_KB fits memory")],
         }
     }

@@ -145,3 +145,17 @@ pub fn percentile(sorted: &[u64], q: f64) -> u64 {
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
     sorted[i.min(sorted.len() - 1)]
 }
+
+/// The number the environment variable `name` holds, or `default` when it
+/// is unset. A value that is not a number stops the run with a message
+/// naming it, rather than running with the default unnoticed.
+pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
+        Err(std::env::VarError::NotPresent) => default,
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
