@@ -144,15 +144,7 @@ fn main() {
     let bench = std::env::args().any(|a| a == "--bench");
     let per_sec = support::env_number("STATS_PER_SEC", 5_000.0f64);
     let sleep_each = std::env::var("FEED_WAIT").is_ok_and(|w| w == "sleep");
-    let threads: Vec<usize> = std::env::var("THREADS")
-        .unwrap_or_else(|_| "1,4".into())
-        .split(',')
-        .map(|t| {
-            t.trim()
-                .parse()
-                .unwrap_or_else(|_| panic!("THREADS: {t:?} is not a thread count"))
-        })
-        .collect();
+    let threads: Vec<usize> = support::env_numbers("THREADS", "1,4");
     let (entries, lookups) = if bench {
         (100_000, 200_000)
     } else {

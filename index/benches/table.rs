@@ -700,18 +700,12 @@ fn main() {
         "| index | workload | holders of the chain | lookup p50 | lookup p99 | lookup p99.9 |"
     );
     println!("|---|---|---:|---:|---:|---:|");
-    let spec = std::env::var("MANY_HOLDERS").unwrap_or_else(|_| {
-        if std::env::args().any(|a| a == "--bench") {
-            "5000".into()
-        } else {
-            "50".into()
-        }
-    });
-    for n in spec.split(',') {
-        let holders = n
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("MANY_HOLDERS: {n:?} is not a holder count"));
+    let default = if std::env::args().any(|a| a == "--bench") {
+        "5000"
+    } else {
+        "50"
+    };
+    for holders in support::env_numbers("MANY_HOLDERS", default) {
         many_holders(holders);
     }
 }

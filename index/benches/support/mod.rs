@@ -159,3 +159,16 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
         Err(e) => panic!("{name}: {e}"),
     }
 }
+
+/// The comma-separated numbers the environment variable `name` holds, or
+/// those of `default` when it is unset; as loud as [`env_number`].
+pub fn env_numbers<T: std::str::FromStr>(name: &str, default: &str) -> Vec<T> {
+    let list = std::env::var(name).unwrap_or_else(|_| default.into());
+    list.split(',')
+        .map(|n| {
+            n.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{name}: {n:?} is not a number"))
+        })
+        .collect()
+}
