@@ -6,8 +6,10 @@
 //! policy, liveness, loads or names ([`CacheIndex::match_chain`] exposes
 //! it alone).
 //!
-//! Cost: one key-table probe per run the request passes through, then one
-//! compare per block against the run's hash array and, per candidate, one
+//! Cost: one key-table probe per run the request passes through, then a
+//! few compares against the run's hash array (its last block the request
+//! shares, and where that differs a bisection; see `Body::follow`) and, per
+//! candidate, one
 //! prefix word and one cell for the stretch it holds (a pass over its cells
 //! only past what the prefix word covers); candidates and rows are both
 //! sorted by replica id, so following a run is one merge.
@@ -204,7 +206,7 @@ pub(crate) fn walk_chain<'c>(
         // found).
         let len = body.len();
         if i == 0 {
-            body.touch_cells(pos, leaving.branch);
+            body.touch_cells(pos, leaving.branch, n - i);
         }
         // A request that follows this run to its end goes on at block
         // `end`: start that block's key-table miss now, so that it overlaps
@@ -215,8 +217,9 @@ pub(crate) fn walk_chain<'c>(
         if end < n && end != leaving.end {
             reader.touch(&Key::new(part, chain.hashes.hash(end)));
         }
-        // How far the request follows this run: one compare per block.
-        let m = body.follow(pos, len, &chain.hashes, i);
+        // How far the request follows this run: a few compares (see
+        // `Body::follow`).
+        let m = body.follow(pos, len, &chain.hashes, i, leaving.branch);
         may_end(i + m);
         // Where the request leaves the run it continues through another
         // one: start that run's body and first data line now (its key-table
@@ -281,7 +284,7 @@ pub(crate) fn walk_chain<'c>(
             .and_then(|key| reader.locate(part, &key));
         match next {
             Some((b, p)) => {
-                b.touch_cells(p, leaving.branch);
+                b.touch_cells(p, leaving.branch, n - i);
                 (body, pos) = (b, p);
             }
             None => return Matched::Hits,

@@ -209,6 +209,51 @@ fn drop_out_is_final_and_block_zero_required() {
     assert_eq!(o.scores[1].matched_tokens, 64);
 }
 
+/// A request leaves a run wherever its parent-chained hashes part from the
+/// run's: before, at or after where earlier reports left it (the run's
+/// branch hint, which the walk tries first), or not at all.
+#[test]
+fn a_request_leaves_a_run_where_its_hashes_part_from_it() {
+    let f = fixture();
+    f.policy("  minimumMatchedTokens: 0\n  routingFloorScore: \"0\"\n");
+    let whole = chain(0..64);
+    // B left A's run after 20 blocks, for a branch of its own.
+    let mut branch = chain(0..20);
+    branch.extend(chain(1_000..1_044));
+    f.hold("A", &whole);
+    f.hold("B", &branch);
+    let parting = |at: u64, rest: u64| {
+        let mut c = chain(0..at);
+        c.extend(chain(5_000 + at..5_000 + at + rest));
+        c
+    };
+    let cases: [(Vec<Vec<u8>>, i32, i32); 8] = [
+        (whole.clone(), 64, 20),
+        (branch[..30].to_vec(), 20, 30),
+        (branch.clone(), 20, 64),
+        (parting(7, 5), 7, 7),
+        (parting(19, 1), 19, 19),
+        (parting(21, 9), 21, 20),
+        (parting(45, 19), 45, 20),
+        (chain(0..30), 30, 20),
+    ];
+    for (request, a, b) in cases {
+        let o = f.lookup_chain(&request);
+        let matched = |r: &str| {
+            o.replica_ids()
+                .zip(&o.scores)
+                .find(|(id, _)| *id == r)
+                .map(|(_, s)| s.matched_tokens / 64)
+        };
+        assert_eq!(
+            (matched("A"), matched("B")),
+            (Some(a), Some(b)),
+            "a request of {} blocks",
+            request.len()
+        );
+    }
+}
+
 #[test]
 fn weakest_link_freshness_and_coldest_tier() {
     let f = fixture();

@@ -305,71 +305,50 @@ impl Body {
     /// How many positions from `pos` (which holds request block `at`) the
     /// request follows this run: 1 plus the following blocks whose hashes
     /// equal the run's next positions, up to the published length `len`.
-    pub fn follow(&self, pos: usize, len: usize, request: &BlockHashes, at: usize) -> usize {
-        let n = request.len();
-        let mut m = 1;
-        if self.data.wide.is_none() {
-            let stored = self.data.hashes(pos + 1, len);
-            if let BlockHashes::Narrow(words) = request {
-                // Both sides are arrays of words: four blocks are compared
-                // with one branch (their differences or-ed together), the
-                // last few and the one that differs one by one.
-                let asked = &words[at + 1..];
-                let n = stored.len().min(asked.len());
-                let (stored, asked) = (&stored[..n], &asked[..n]);
-                let mut k = 0;
-                for (s, w) in stored.chunks_exact(4).zip(asked.chunks_exact(4)) {
-                    let differ = (s[0].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[0]))
-                        | (s[1].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[1]))
-                        | (s[2].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[2]))
-                        | (s[3].load(Ordering::Relaxed) ^ u64::from_be_bytes(w[3]));
-                    if differ != 0 {
-                        break;
-                    }
-                    k += 4;
-                }
-                return 1
-                    + k
-                    + stored[k..]
-                        .iter()
-                        .zip(&asked[k..])
-                        .take_while(|(s, w)| s.load(Ordering::Relaxed) == u64::from_be_bytes(**w))
-                        .count();
+    ///
+    /// Block hashes are parent-chained (the wire contract's assumption: a
+    /// block's hash identifies the whole prefix that ends in it), and a
+    /// run's positions are blocks reported one after another, each an
+    /// ancestor of the next. So where the request's block `at + k` equals
+    /// position `pos + k`, every block between agrees too: agreement holds
+    /// for a leading stretch and never again after it. The stretch's end is
+    /// found by comparing the last block the run and the request share, and
+    /// where that differs by bisection, tried first at `leave` (how many
+    /// positions from `pos` earlier requests followed before leaving, 0 when
+    /// unknown): two or three compares where a block-by-block pass made one
+    /// per block and read every hash line of the stretch.
+    pub fn follow(
+        &self,
+        pos: usize,
+        len: usize,
+        request: &BlockHashes,
+        at: usize,
+        leave: usize,
+    ) -> usize {
+        let n = (len - pos).min(request.len() - at);
+        match (&self.data.wide, request) {
+            (None, BlockHashes::Narrow(words)) => {
+                let stored = self.data.hashes(pos, pos + n);
+                let asked = &words[at..at + n];
+                leading_stretch(n, leave, |k| {
+                    stored[k].load(Ordering::Relaxed) == u64::from_be_bytes(asked[k])
+                })
             }
-            while at + m < n && m <= stored.len() {
-                let HashRef::Narrow(word) = request.hash(at + m) else {
-                    break;
-                };
-                if stored[m - 1].load(Ordering::Relaxed) != word {
-                    break;
-                }
-                m += 1;
-            }
-            return m;
+            _ => leading_stretch(n, leave, |k| {
+                let hash = request.hash(at + k);
+                self.holds(pos + k, hash, hash.word())
+            }),
         }
-        while at + m < n && pos + m < len {
-            let hash = request.hash(at + m);
-            if !self.holds(pos + m, hash, hash.word()) {
-                break;
-            }
-            m += 1;
-        }
-        m
     }
 
     /// Starts loading the rows' prefix words, the first cells from `pos` of
-    /// the first rows (none from position 0) and the hashes from `pos` on,
-    /// so that their misses are under way together while the caller
-    /// compares hashes. With a `branch` (blocks from `pos` to where
-    /// requests were seen to leave the run; 0 for none) the hashes up to
-    /// it: a request that goes on past it reads the rest in order, and one
-    /// that leaves there (the end of a shared system prompt, say) does not
-    /// wait behind lines it never compares.
-    pub fn touch_cells(&self, pos: usize, branch: usize) {
-        let len = match branch {
-            0 => self.len(),
-            k => self.len().min(pos + k + 1),
-        };
+    /// the first rows (none from position 0) and the hashes
+    /// [`follow`](Self::follow) compares first, so that their misses are
+    /// under way together: the last position the run and the request share
+    /// (`rest`: the request's blocks from the one at `pos` on) and, with a
+    /// `branch` (positions from `pos` earlier requests followed before
+    /// leaving; 0 for none), the two either side of where they left.
+    pub fn touch_cells(&self, pos: usize, branch: usize, rest: usize) {
         if let Some(row) = self.rows.first() {
             prefetch(self.data.prefix(row.slot as usize));
         }
@@ -380,10 +359,12 @@ impl Body {
                 prefetch(self.data.cell(row.slot as usize, pos));
             }
         }
-        let mut at = pos;
-        while at < len {
-            prefetch(&self.data.words[HEAD + at]);
-            at += 8;
+        let len = self.len();
+        let last = pos + (len - pos).min(rest).max(1) - 1;
+        prefetch(&self.data.words[HEAD + last]);
+        if branch > 0 && pos + branch < last {
+            prefetch(&self.data.words[HEAD + pos + branch - 1]);
+            prefetch(&self.data.words[HEAD + pos + branch]);
         }
     }
 
@@ -428,4 +409,34 @@ impl Body {
     pub(super) fn probe(&self, pos: usize) -> Probe {
         Probe::of(mix(self.data.hash(pos), self.part))
     }
+}
+
+/// How many of positions `0..n` agree, where position 0 does and agreement
+/// holds for a leading stretch only (see [`Body::follow`]): `agree` is asked
+/// of the last position, then of `leave` and the one before it (a guess at
+/// the answer; ignored when 0 or out of range), then by bisection.
+fn leading_stretch(n: usize, leave: usize, agree: impl Fn(usize) -> bool) -> usize {
+    if n <= 1 || agree(n - 1) {
+        return n;
+    }
+    // Every position below `lo` agrees; position `hi` does not.
+    let (mut lo, mut hi) = (1, n - 1);
+    if leave > lo && leave < hi {
+        if agree(leave) {
+            lo = leave + 1;
+        } else if agree(leave - 1) {
+            return leave;
+        } else {
+            hi = leave - 1;
+        }
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if agree(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }

@@ -8,9 +8,11 @@
 //!   count and tier (tier 0: not held). Every key lives at exactly one
 //!   position of one run, and a position never changes key while its run
 //!   lives, so a chain walk finds the first block through the key table and
-//!   then compares the following request hashes with the run's hash array in
-//!   order — one probe per run, not per block — re-probing only where the
-//!   request leaves the run. Holes are exact: a holder that lost a block in
+//!   then finds how far the request follows the run from a few compares with
+//!   the run's hash array (block hashes are parent-chained, so the request
+//!   and the run agree over a leading stretch and never after it: see
+//!   [`Body::follow`]) — one probe per run, not per block — re-probing only
+//!   where the request leaves the run. Holes are exact: a holder that lost a block in
 //!   the middle has a cleared cell there and its match stops at it. A run's
 //!   hashes, counts (two per word, or one count for the run while all its
 //!   blocks have it, as an engine's full blocks do) and cells are one

@@ -262,15 +262,26 @@ fn a_request_follows_a_run_exactly_as_far_as_its_hashes_agree() {
         let (body, pos) = located(&reader, 1, from);
         let len = body.len();
         for agree in 1..=(64 - from as usize) {
-            // Two blocks of the request before the run's, then `agree`
-            // of the run's, then one that differs and the run's again.
-            let mut hashes: Vec<Vec<u8>> = vec![999u64.to_be_bytes().to_vec(); 2];
-            hashes.extend((from..from + agree as u64).map(|h| h.to_be_bytes().to_vec()));
-            hashes.push(5_000u64.to_be_bytes().to_vec());
-            hashes.extend((from + agree as u64 + 1..64).map(|h| h.to_be_bytes().to_vec()));
-            let chain = crate::BlockChain::new(&hashes, vec![16; hashes.len()]).expect("a chain");
-            let followed = body.follow(pos, len, &chain.hashes, 2);
-            assert_eq!(followed, agree, "from {from}, agreeing for {agree}");
+            // Two blocks of the request before the run's, then `agree` of
+            // the run's, then blocks of another branch (parent-chained
+            // hashes never meet the run again), as many as the run has
+            // left or fewer.
+            for after in [0, 1, 5, 64] {
+                let mut hashes: Vec<Vec<u8>> = vec![999u64.to_be_bytes().to_vec(); 2];
+                hashes.extend((from..from + agree as u64).map(|h| h.to_be_bytes().to_vec()));
+                hashes.extend((0..after).map(|k| (5_000u64 + k).to_be_bytes().to_vec()));
+                let chain =
+                    crate::BlockChain::new(&hashes, vec![16; hashes.len()]).expect("a chain");
+                // Whatever earlier requests did: a right guess, a wrong
+                // one either side, none, one past the run.
+                for leave in [0, 1, agree, agree.saturating_sub(3), agree + 2, 70] {
+                    let followed = body.follow(pos, len, &chain.hashes, 2, leave);
+                    assert_eq!(
+                        followed, agree,
+                        "from {from}, agreeing for {agree}, {after} after, leave {leave}"
+                    );
+                }
+            }
         }
     }
 }
