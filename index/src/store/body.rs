@@ -90,19 +90,18 @@ pub(super) fn head_lines(body: &Body, branch: usize, table: &Branches) -> [u64; 
     ]
 }
 
-/// Starts the misses on the lines of [`lines_of`]: the body, the hash
-/// words from position 0 to the capacity and the first row slots' prefix
-/// words.
+/// Starts the misses on the lines of [`lines_of`]: the body, the first
+/// and the last hash line (where a request enters the run, and the last
+/// block it compares when it follows the run to its end: see
+/// [`Body::follow`], which reads no other line then) and the first row
+/// slots' prefix words.
 pub(super) fn prefetch_lines([body, data]: Lines) {
     let body = body as usize as *const u8;
     prefetch_ptr(body);
     prefetch_ptr(body.wrapping_add(64));
     let (words, cap, prefixes) = placed(data);
-    let mut at = 0;
-    while at < HEAD + cap {
-        prefetch_ptr(words.wrapping_add(at));
-        at += 8;
-    }
+    prefetch_ptr(words);
+    prefetch_ptr(words.wrapping_add(HEAD + cap.max(1) - 1));
     prefetch_ptr(prefixes);
 }
 

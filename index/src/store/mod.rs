@@ -232,8 +232,9 @@ impl Reader<'_> {
     /// Starts the misses of the run a request's first block `key` (of
     /// `hashes`, in `part`) likely lies in, if the heads table names a run
     /// under its tag, and of the run the request likely goes on in: the
-    /// first run's directory slot, body, hash words and first prefix words,
-    /// and at its branch the key-table slot of the request's block there,
+    /// first run's directory slot, body, first and last hash lines and
+    /// first prefix words, and at its branch the key-table slot of the
+    /// request's block there,
     /// the branch table and that block's entry in it, all at once (see the
     /// `branches` module). A hint: a collision of tags or an entry gone
     /// stale costs wasted prefetches, never an answer.
@@ -260,9 +261,9 @@ impl Reader<'_> {
     }
 
     /// Starts the misses of the run that `key` begins, if the run of
-    /// `ahead` names it in its branch table: its directory slot, body, hash
-    /// words and first prefix words, all at once (see the `branches`
-    /// module).
+    /// `ahead` names it in its branch table: its directory slot, body,
+    /// first and last hash lines and first prefix words, all at once (see
+    /// the `branches` module).
     pub fn touch_next(&self, ahead: &Ahead<'_>, key: &Key<'_>) {
         let Some((run, lines)) = ahead.next.and_then(|b| b.find(key.probe.tag())) else {
             return;
