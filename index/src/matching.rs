@@ -9,10 +9,9 @@
 //! Cost: one key-table probe per run the request passes through, then a
 //! few compares against the run's hash array (its last block the request
 //! shares, and where that differs a bisection; see `Body::follow`) and, per
-//! candidate, one
-//! prefix word and one cell for the stretch it holds (a pass over its cells
-//! only past what the prefix word covers); candidates and rows are both
-//! sorted by replica id, so following a run is one merge.
+//! candidate, one prefix word and one cell for the stretch it holds (a pass
+//! over its cells only past what the prefix word covers); candidates and
+//! rows are both sorted by replica id, so following a run is one merge.
 //! Candidates live in a stack buffer. Each run's dependent misses are
 //! started a stage ahead (see [`walk_chain`]).
 

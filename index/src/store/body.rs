@@ -324,6 +324,7 @@ impl Body {
         at: usize,
         leave: usize,
     ) -> usize {
+        debug_assert!(pos < len && at < request.len(), "a located block");
         let n = (len - pos).min(request.len() - at);
         match (&self.data.wide, request) {
             (None, BlockHashes::Narrow(words)) => {

@@ -12,10 +12,10 @@
 //!   the run's hash array (block hashes are parent-chained, so the request
 //!   and the run agree over a leading stretch and never after it: see
 //!   [`Body::follow`]) — one probe per run, not per block — re-probing only
-//!   where the request leaves the run. Holes are exact: a holder that lost a block in
-//!   the middle has a cleared cell there and its match stops at it. A run's
-//!   hashes, counts (two per word, or one count for the run while all its
-//!   blocks have it, as an engine's full blocks do) and cells are one
+//!   where the request leaves the run. Holes are exact: a holder that lost a
+//!   block in the middle has a cleared cell there and its match stops at it.
+//!   A run's hashes, counts (two per word, or one count for the run while
+//!   all its blocks have it, as an engine's full blocks do) and cells are one
 //!   allocation ([`RunData`](data::RunData)); its published length and capacities sit in
 //!   the body, so
 //!   once a reader has the body it knows the address of every line it needs
@@ -234,10 +234,9 @@ impl Reader<'_> {
     /// under its tag, and of the run the request likely goes on in: the
     /// first run's directory slot, body, first and last hash lines and
     /// first prefix words, and at its branch the key-table slot of the
-    /// request's block there,
-    /// the branch table and that block's entry in it, all at once (see the
-    /// `branches` module). A hint: a collision of tags or an entry gone
-    /// stale costs wasted prefetches, never an answer.
+    /// request's block there, the branch table and that block's entry in
+    /// it, all at once (see the `branches` module). A hint: a collision of
+    /// tags or an entry gone stale costs wasted prefetches, never an answer.
     pub fn touch_head(&self, part: PartitionId, hashes: &BlockHashes, key: &Key<'_>) {
         let Some((run, [body, data, table, place])) = self
             .store
