@@ -92,9 +92,10 @@ pub(super) fn head_lines(body: &Body, branch: usize, table: &Branches) -> [u64; 
 
 /// Starts the misses on the lines of [`lines_of`]: the body, the first
 /// and the last hash line (where a request enters the run, and the last
-/// block it compares when it follows the run to its end: see
-/// [`Body::follow`], which reads no other line then) and the first row
-/// slots' prefix words.
+/// block it compares when it follows a full run to its end: see
+/// [`Body::follow`], which reads no other line then; the line is the
+/// capacity's last, since the run's length sits in the body whose miss
+/// this starts) and the first row slots' prefix words.
 pub(super) fn prefetch_lines([body, data]: Lines) {
     let body = body as usize as *const u8;
     prefetch_ptr(body);
